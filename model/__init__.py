@@ -1,0 +1,16 @@
+"""The native bf16 transformer shared by the generator and the trainer."""
+
+from model.args import ModelArgs, UnsupportedModelError
+from model.hf import CheckpointError, from_hf, to_hf
+from model.model import KVCache, TokenLogprobs, Transformer
+
+__all__ = [
+    "CheckpointError",
+    "KVCache",
+    "ModelArgs",
+    "TokenLogprobs",
+    "Transformer",
+    "UnsupportedModelError",
+    "from_hf",
+    "to_hf",
+]
