@@ -1,0 +1,497 @@
+"""Run configuration: dataclasses, TOML file + CLI overrides, validation.
+
+The dataclass defaults are the single source of truth; config.toml in the repo root
+mirrors them with a comment per key. `load_config` reads a TOML file, applies
+`--section.key=value` overrides and validates everything, the rank layout included,
+so a bad setting fails on every rank with the same one-line message before any
+collective is issued.
+"""
+
+import dataclasses
+import difflib
+import os
+import sys
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:
+    import tomli as tomllib
+
+# Beside train_grpo.py, so runs behave the same from any working directory.
+DEFAULT_CONFIG_PATH = Path(__file__).resolve().parent.parent / "config.toml"
+
+
+class ConfigError(ValueError):
+    """A bad setting; the message is a single line meant for the user."""
+
+
+@dataclass
+class JobConfig:
+    # where metrics.jsonl, the resolved config.toml and exports go
+    output_dir: str = "runs/demo"
+    # seeds data order, model init and sampling
+    seed: int = 0
+    # "auto" (cuda if available else cpu) | "cpu" | "cuda"
+    device: str = "auto"
+    # bitwise-reproducible kernels (torch.use_deterministic_algorithms)
+    deterministic: bool = False
+
+
+@dataclass
+class ModelConfig:
+    # HF checkpoint folder (safetensors + config.json); "" builds the tiny model below from scratch
+    path: str = ""
+    # compute dtype: "auto" (bfloat16 on cuda, float32 on cpu) | "bfloat16" | "float32"; master weights are always float32
+    dtype: str = "auto"
+    # built-in model only: hidden size
+    dim: int = 64
+    # built-in model only: decoder layers
+    n_layers: int = 2
+    # built-in model only: query heads
+    n_heads: int = 4
+    # built-in model only: key/value heads (grouped-query attention when fewer than n_heads)
+    n_kv_heads: int = 2
+    # built-in model only: SwiGLU hidden size
+    ffn_dim: int = 256
+    # recompute each layer's activations in backward: less memory, about a third more compute
+    activation_checkpointing: bool = False
+    # torch.compile each layer: faster steps after a slower first one
+    compile: bool = False
+
+
+@dataclass
+class DataConfig:
+    # built-in task: prompt is a digit string, answer its reversal
+    task: str = "reverse_digits"
+    # prompts in one RL step (each sampled grpo.group_size times)
+    prompts_per_step: int = 16
+    # shortest digit string of the built-in task
+    digits_min: int = 3
+    # longest digit string of the built-in task
+    digits_max: int = 5
+
+
+@dataclass
+class GenerationConfig:
+    # completion length cap; longer completions are cut with finish reason "length"
+    max_new_tokens: int = 8
+    # sampling temperature; 0 = greedy
+    temperature: float = 1.0
+    # nucleus sampling mass; 1.0 = off
+    top_p: float = 1.0
+    # sample among the k most likely tokens; 0 = off
+    top_k: int = 0
+    # stop strings, in addition to EOS
+    stop: list[str] = field(default_factory=list)
+
+
+@dataclass
+class GRPOConfig:
+    # G: samples per prompt
+    group_size: int = 8
+    # ratio clipped below at 1 - clip_eps_low
+    clip_eps_low: float = 0.2
+    # ratio clipped above at 1 + clip_eps_high
+    clip_eps_high: float = 0.2
+    # passes over each batch
+    num_iterations: int = 1
+    # optimizer steps per pass; must divide data.prompts_per_step (groups are never split)
+    minibatches: int = 1
+
+
+@dataclass
+class RewardsConfig:
+    # built-in names or "module:function"
+    functions: list[str] = field(default_factory=lambda: ["reverse_digits"])
+    # one per function
+    weights: list[float] = field(default_factory=lambda: [1.0])
+    # per call; a reward call past this stops the run with an error naming the function
+    timeout_s: float = 10.0
+    # reward process pool size
+    num_workers: int = 1
+
+
+@dataclass
+class OptimizerConfig:
+    # peak AdamW learning rate, reached after warmup_steps
+    lr: float = 3e-3
+    # AdamW (beta1, beta2)
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.99])
+    # AdamW epsilon
+    eps: float = 1e-8
+    # decoupled AdamW weight decay
+    weight_decay: float = 0.0
+    # linear warmup to lr over the first warmup_steps training steps
+    warmup_steps: int = 5
+    # cosine decays to lr * min_lr_ratio at training.steps
+    min_lr_ratio: float = 0.1
+    # clip the global gradient norm to this; 0 = no clipping
+    max_grad_norm: float = 1.0
+
+
+@dataclass
+class TrainingConfig:
+    # RL steps: one batch of data.prompts_per_step x grpo.group_size episodes, used for grpo.num_iterations passes, then synced
+    steps: int = 60
+    # episodes per forward/backward on each trainer rank
+    micro_batch_size: int = 64
+
+
+@dataclass
+class ParallelismConfig:
+    # "split" (generator ranks + trainer ranks) | "colocated" (every rank generates, then trains)
+    mode: str = "colocated"
+    # split mode: number of generator ranks; the rest train
+    generator_ranks: int = 1
+
+
+@dataclass
+class EvalConfig:
+    # eval every N steps (0 = only at step 0 and the end)
+    every: int = 0
+    # held-out prompts, never trained on; greedy decoding
+    num_prompts: int = 64
+
+
+@dataclass
+class MetricsConfig:
+    # one line per step on rank 0
+    console: bool = True
+
+
+@dataclass
+class Config:
+    # run identity: output folder, seed, device
+    job: JobConfig = field(default_factory=JobConfig)
+    # the policy model: checkpoint or built-in shape, dtype, memory/speed switches
+    model: ModelConfig = field(default_factory=ModelConfig)
+    # prompt source and batch size
+    data: DataConfig = field(default_factory=DataConfig)
+    # sampling of completions
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    # group size and the clipped surrogate
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    # reward functions, their weights and the scoring pool
+    rewards: RewardsConfig = field(default_factory=RewardsConfig)
+    # AdamW and the learning-rate schedule
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    # run length and micro-batching
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    # generator/trainer rank layout
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    # held-out evaluation
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    # where and how metrics are reported
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+
+
+# section name -> section dataclass, in file order
+_SECTIONS: dict[str, type] = {f.name: f.type for f in dataclasses.fields(Config)}
+# section name -> {key: type}
+_TYPES: dict[str, dict[str, Any]] = {
+    name: {f.name: f.type for f in dataclasses.fields(cls)} for name, cls in _SECTIONS.items()
+}
+_ALL_KEYS = [f"{section}.{key}" for section, keys in _TYPES.items() for key in keys]
+
+_CHOICES = {
+    "job.device": ("auto", "cpu", "cuda"),
+    "model.dtype": ("auto", "bfloat16", "float32"),
+    "data.task": ("reverse_digits",),
+    "parallelism.mode": ("split", "colocated"),
+}
+
+
+def load_config(argv: list[str] | None = None, world_size: int | None = None) -> Config:
+    """Read `--config FILE` (default: config.toml in the repo root), apply `--section.key=value`
+    or `--section.key value` overrides, and validate for `world_size` ranks (default: $WORLD_SIZE)."""
+    if argv is None:
+        argv = sys.argv[1:]
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    config_path, overrides = _parse_argv(argv)
+    raw = _read_toml(config_path)
+    for section, key, text in overrides:
+        raw.setdefault(section, {})[key] = _parse_cli_value(text, _TYPES[section][key])
+    cfg = Config(**{section: _build_section(section, raw.get(section, {})) for section in _SECTIONS})
+    validate_config(cfg, world_size)
+    return cfg
+
+
+def _parse_argv(argv: list[str]) -> tuple[Path, list[tuple[str, str, str]]]:
+    config_path = DEFAULT_CONFIG_PATH
+    overrides = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--"):
+            raise ConfigError(f"unexpected argument '{arg}'; overrides look like --section.key=value")
+        name, eq, text = arg[2:].partition("=")
+        section, dot, key = name.partition(".")
+        if name != "config":
+            if not dot or not section or not key:
+                match = difflib.get_close_matches(name, _ALL_KEYS, n=1)
+                hint = f" (did you mean '--{match[0]}'?)" if match else ""
+                raise ConfigError(f"'--{name}' is not a config key; overrides look like --section.key=value{hint}")
+            _check_key(section, key)
+        if not eq:
+            # a following "--..." is the next option, not this one's value
+            if i + 1 == len(argv) or argv[i + 1].startswith("--"):
+                raise ConfigError(f"missing value for '{arg}'; write {arg}=VALUE or {arg} VALUE")
+            text = argv[i + 1]
+            i += 1
+        i += 1
+        if name == "config":
+            config_path = Path(text)
+        else:
+            overrides.append((section, key, text))
+    return config_path, overrides
+
+
+def _read_toml(path: Path) -> dict[str, dict[str, Any]]:
+    try:
+        with open(path, "rb") as f:
+            raw = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"cannot parse config file {path}: {e}") from None
+    for section, table in raw.items():
+        if not isinstance(table, dict):
+            if section in _SECTIONS:
+                raise ConfigError(f"config section '{section}' in {path} must be a table ([{section}])")
+            raise ConfigError(f"unknown config key '{section}'{_did_you_mean(section, _ALL_KEYS)}")
+        for key in table:
+            _check_key(section, key)
+    return raw
+
+
+def _check_key(section: str, key: str) -> None:
+    if section not in _SECTIONS:
+        raise ConfigError(f"unknown config section '{section}'{_did_you_mean(section, list(_SECTIONS))}")
+    if key not in _TYPES[section]:
+        full = f"{section}.{key}"
+        hint = _did_you_mean(full, _ALL_KEYS) or f" ([{section}] has: {', '.join(_TYPES[section])})"
+        raise ConfigError(f"unknown config key '{full}'{hint}")
+
+
+def _did_you_mean(word: str, candidates: list[str]) -> str:
+    match = difflib.get_close_matches(word, candidates, n=1)
+    return f" (did you mean '{match[0]}'?)" if match else ""
+
+
+def _parse_cli_value(text: str, typ: Any) -> Any:
+    # TOML syntax gives lists, bools and numbers; anything TOML rejects is a bare string
+    # (--job.output_dir=runs/x, --parallelism.mode=split).
+    try:
+        doc = tomllib.loads(f"v = {text}")
+    except tomllib.TOMLDecodeError:
+        return text
+    # A string key keeps its text verbatim even when it happens to read as TOML (a path named 2024, "inf").
+    if set(doc) != {"v"} or (typ is str and not isinstance(doc["v"], str)):
+        return text
+    return doc["v"]
+
+
+def _build_section(section: str, values: dict[str, Any]) -> Any:
+    types = _TYPES[section]
+    return _SECTIONS[section](**{key: _coerce(f"{section}.{key}", v, types[key]) for key, v in values.items()})
+
+
+def _coerce(key: str, value: Any, typ: Any) -> Any:
+    if typing.get_origin(typ) is list:
+        (elem,) = typing.get_args(typ)
+        if isinstance(value, list):
+            bad = [v for v in value if not _is_a(v, elem)]
+            if not bad:
+                return [float(v) if elem is float else v for v in value]
+            raise ConfigError(
+                f"config key '{key}' expects {typ}, got a list holding {type(bad[0]).__name__} ({bad[0]!r})"
+            )
+    elif _is_a(value, typ):
+        return float(value) if typ is float else value
+    type_name = typ if typing.get_origin(typ) else typ.__name__
+    raise ConfigError(f"config key '{key}' expects {type_name}, got {type(value).__name__} ({value!r})")
+
+
+def _is_a(value: Any, typ: type) -> bool:
+    # bool is an int subclass, but `steps = true` is a mistake, not 1
+    if isinstance(value, bool):
+        return typ is bool
+    if typ is float:
+        return isinstance(value, (int, float))
+    return isinstance(value, typ)
+
+
+def validate_config(cfg: Config, world_size: int) -> None:
+    """Raise ConfigError naming the first impossible setting, including rank-layout ones."""
+    for key, allowed in _CHOICES.items():
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if value not in allowed:
+            choices = ", ".join(map(_toml_value, allowed))
+            raise ConfigError(f"config key '{key}' must be one of {choices}; got {_toml_value(value)}")
+
+    m = cfg.model
+    for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim"):
+        _require(getattr(m, name) >= 1, f"model.{name}", getattr(m, name), "must be >= 1")
+    kv_why = f"must be a multiple of model.n_kv_heads = {m.n_kv_heads}"
+    _require(m.n_heads % m.n_kv_heads == 0, "model.n_heads", m.n_heads, kv_why)
+    _require(m.dim % m.n_heads == 0, "model.dim", m.dim, f"must be a multiple of model.n_heads = {m.n_heads}")
+    if m.dim // m.n_heads % 2:
+        raise ConfigError(f"model.dim / model.n_heads = {m.dim // m.n_heads} must be even (RoPE rotates pairs)")
+
+    d = cfg.data
+    _require(d.prompts_per_step >= 1, "data.prompts_per_step", d.prompts_per_step, "must be >= 1")
+    _require(d.digits_min >= 1, "data.digits_min", d.digits_min, "must be >= 1")
+    digits_why = f"must not exceed data.digits_max = {d.digits_max}"
+    _require(d.digits_min <= d.digits_max, "data.digits_min", d.digits_min, digits_why)
+
+    g = cfg.generation
+    _require(g.max_new_tokens >= 1, "generation.max_new_tokens", g.max_new_tokens, "must be >= 1")
+    _require(g.temperature >= 0, "generation.temperature", g.temperature, "must be >= 0 (0 = greedy)")
+    _require(0 < g.top_p <= 1, "generation.top_p", g.top_p, "must be in (0, 1] (1 = off)")
+    _require(g.top_k >= 0, "generation.top_k", g.top_k, "must be >= 0 (0 = off)")
+    _require("" not in g.stop, "generation.stop", g.stop, "must not contain an empty string (it matches at once)")
+
+    p = cfg.grpo
+    _require(
+        p.group_size >= 2,
+        "grpo.group_size",
+        p.group_size,
+        "must be >= 2 (advantages compare the samples of one prompt with each other)",
+    )
+    _require(p.clip_eps_low >= 0, "grpo.clip_eps_low", p.clip_eps_low, "must be >= 0")
+    _require(p.clip_eps_high >= 0, "grpo.clip_eps_high", p.clip_eps_high, "must be >= 0")
+    _require(p.num_iterations >= 1, "grpo.num_iterations", p.num_iterations, "must be >= 1")
+    _require(p.minibatches >= 1, "grpo.minibatches", p.minibatches, "must be >= 1")
+
+    r = cfg.rewards
+    _require(len(r.functions) >= 1, "rewards.functions", r.functions, "must name at least one reward function")
+    _require(
+        len(r.weights) == len(r.functions),
+        "rewards.weights",
+        r.weights,
+        f"has {len(r.weights)} values but rewards.functions has {len(r.functions)}; give one weight per function",
+    )
+    _require(r.timeout_s > 0, "rewards.timeout_s", r.timeout_s, "must be > 0")
+    _require(r.num_workers >= 0, "rewards.num_workers", r.num_workers, "must be >= 0")
+
+    o = cfg.optimizer
+    _require(o.lr > 0, "optimizer.lr", o.lr, "must be > 0")
+    betas_ok = len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas)
+    _require(betas_ok, "optimizer.betas", o.betas, "must be two values in [0, 1)")
+    _require(o.eps >= 0, "optimizer.eps", o.eps, "must be >= 0")
+    _require(o.weight_decay >= 0, "optimizer.weight_decay", o.weight_decay, "must be >= 0")
+    _require(o.warmup_steps >= 0, "optimizer.warmup_steps", o.warmup_steps, "must be >= 0")
+    _require(0 <= o.min_lr_ratio <= 1, "optimizer.min_lr_ratio", o.min_lr_ratio, "must be in [0, 1]")
+    _require(o.max_grad_norm >= 0, "optimizer.max_grad_norm", o.max_grad_norm, "must be >= 0 (0 = off)")
+
+    t = cfg.training
+    _require(t.steps >= 1, "training.steps", t.steps, "must be >= 1")
+    _require(t.micro_batch_size >= 1, "training.micro_batch_size", t.micro_batch_size, "must be >= 1")
+
+    e = cfg.eval
+    _require(e.every >= 0, "eval.every", e.every, "must be >= 0 (0 = only at step 0 and the end)")
+    _require(e.num_prompts >= 1, "eval.num_prompts", e.num_prompts, "must be >= 1")
+
+    prompts = d.prompts_per_step
+    par = cfg.parallelism
+    if par.mode == "colocated":
+        _require_multiple(
+            prompts, world_size, f"world size {world_size}", "colocated mode: every rank generates an equal share"
+        )
+    else:
+        if world_size < 2:
+            raise ConfigError(
+                'parallelism.mode = "split" needs at least 2 ranks '
+                "(launch with torchrun --nproc_per_node=2 or more, or set --parallelism.mode=colocated)"
+            )
+        if par.generator_ranks < 1:
+            raise ConfigError(
+                f"parallelism.generator_ranks = {par.generator_ranks} leaves no generator rank; "
+                f"set it between 1 and {world_size - 1}"
+            )
+        if par.generator_ranks >= world_size:
+            raise ConfigError(
+                f"parallelism.generator_ranks = {par.generator_ranks} leaves no trainer rank with world size "
+                f"{world_size}; set it between 1 and {world_size - 1}"
+            )
+        _require_multiple(
+            prompts,
+            par.generator_ranks,
+            f"parallelism.generator_ranks = {par.generator_ranks}",
+            "split mode: every generator rank generates an equal share",
+        )
+    _require(
+        prompts % p.minibatches == 0,
+        "data.prompts_per_step",
+        prompts,
+        f"is not divisible by grpo.minibatches = {p.minibatches} (a minibatch holds whole groups); "
+        f"set --grpo.minibatches to a divisor of {prompts}",
+    )
+
+
+def _require(ok: bool, key: str, value: Any, why: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key} = {_toml_value(value)} {why}")
+
+
+def _require_multiple(prompts: int, divisor: int, divisor_desc: str, why: str) -> None:
+    lower = prompts // divisor * divisor
+    examples = " or ".join(str(n) for n in (lower, lower + divisor) if n > 0)
+    _require(
+        prompts % divisor == 0,
+        "data.prompts_per_step",
+        prompts,
+        f"is not divisible by {divisor_desc} ({why}); "
+        f"set --data.prompts_per_step to a multiple of {divisor}, e.g. {examples}",
+    )
+
+
+def config_to_toml(cfg: Config) -> str:
+    """The resolved config as TOML that `load_config(["--config", file])` reads back to an equal Config."""
+    lines = [
+        "# Resolved config of this run: defaults, then the config file, then command-line overrides.",
+        "# Rerun with: torchrun ... train_grpo.py --config <this file>",
+    ]
+    for section in dataclasses.fields(cfg):
+        lines += ["", f"[{section.name}]"]
+        values = getattr(cfg, section.name)
+        lines += [f"{f.name} = {_toml_value(getattr(values, f.name))}" for f in dataclasses.fields(values)]
+    return "\n".join(lines) + "\n"
+
+
+def write_resolved_config(cfg: Config, path: str | Path) -> None:
+    """Write `config_to_toml(cfg)` to `path`, creating its folder."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(config_to_toml(cfg), encoding="utf-8")
+
+
+# TOML basic-string escapes; other control characters (and DEL) become \uXXXX
+_TOML_ESCAPES = {'"': '\\"', "\\": "\\\\", "\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f", "\r": "\\r"}
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        # float repr round-trips exactly, and its inf/nan spellings are TOML's
+        return repr(value)
+    if isinstance(value, str):
+        return '"' + "".join(_toml_char(c) for c in value) + '"'
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {value!r} as TOML")
+
+
+def _toml_char(c: str) -> str:
+    if c in _TOML_ESCAPES:
+        return _TOML_ESCAPES[c]
+    if ord(c) < 0x20 or ord(c) == 0x7F:
+        return f"\\u{ord(c):04x}"
+    return c

@@ -1,0 +1,284 @@
+import dataclasses
+import re
+import tomllib
+
+import pytest
+
+from grpo.config import (
+    DEFAULT_CONFIG_PATH,
+    Config,
+    ConfigError,
+    config_to_toml,
+    load_config,
+    write_resolved_config,
+)
+
+
+def load(*argv: str, world_size: int = 1) -> Config:
+    return load_config(list(argv), world_size=world_size)
+
+
+def error(*argv: str, world_size: int = 1) -> str:
+    with pytest.raises(ConfigError) as info:
+        load(*argv, world_size=world_size)
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+def test_default_file_equals_dataclass_defaults():
+    assert load() == Config()
+
+
+def test_default_file_lists_every_key_with_a_comment():
+    with open(DEFAULT_CONFIG_PATH, "rb") as f:
+        file_keys = {(s, k) for s, table in tomllib.load(f).items() for k in table}
+    dataclass_keys = {(s.name, f.name) for s in dataclasses.fields(Config) for f in dataclasses.fields(s.type)}
+    assert file_keys == dataclass_keys
+    lines = DEFAULT_CONFIG_PATH.read_text().splitlines()
+    for i, line in enumerate(lines):
+        if re.match(r"\w+ = ", line):
+            assert lines[i - 1].startswith("# "), f"no comment above {line!r}"
+
+
+def test_default_file_sections_in_dataclass_order():
+    sections = re.findall(r"^\[(\w+)\]$", DEFAULT_CONFIG_PATH.read_text(), re.MULTILINE)
+    assert sections == [f.name for f in dataclasses.fields(Config)]
+
+
+def test_override_equals_form_and_space_form():
+    cfg = load("--grpo.group_size=4", "--training.steps", "7", "--parallelism.mode=colocated")
+    assert cfg.grpo.group_size == 4
+    assert cfg.training.steps == 7
+    assert load("--grpo.group_size", "4") == load("--grpo.group_size=4")
+
+
+def test_bare_string_overrides():
+    cfg = load("--job.output_dir=runs/x", "--job.device", "cpu", "--model.path=/ckpt/qwen3-0.6b")
+    assert cfg.job.output_dir == "runs/x"
+    assert cfg.job.device == "cpu"
+    assert cfg.model.path == "/ckpt/qwen3-0.6b"
+    # a string key keeps text that would otherwise read as a TOML number
+    assert load("--job.output_dir=2024").job.output_dir == "2024"
+    cfg = load("--parallelism.mode=split", "--parallelism.generator_ranks=1", world_size=2)
+    assert cfg.parallelism.mode == "split"
+
+
+def test_toml_valued_overrides():
+    cfg = load(
+        "--generation.stop=[\"\\n\", \"</answer>\"]",
+        "--optimizer.betas=[0.9,0.95]",
+        "--job.deterministic=true",
+        "--metrics.console",
+        "false",
+        "--optimizer.lr=1e-4",
+        "--generation.temperature=0.7",
+    )
+    assert cfg.generation.stop == ["\n", "</answer>"]
+    assert cfg.optimizer.betas == [0.9, 0.95]
+    assert cfg.job.deterministic is True
+    assert cfg.metrics.console is False
+    assert cfg.optimizer.lr == 1e-4
+    assert cfg.generation.temperature == 0.7
+
+
+def test_int_accepted_for_float_and_converted():
+    cfg = load("--optimizer.lr=1", "--rewards.weights=[1, 2]", "--rewards.functions=[\"a\", \"b\"]")
+    assert cfg.optimizer.lr == 1.0 and type(cfg.optimizer.lr) is float
+    assert cfg.rewards.weights == [1.0, 2.0] and all(type(w) is float for w in cfg.rewards.weights)
+
+
+def test_last_override_wins():
+    assert load("--training.steps=3", "--training.steps=9").training.steps == 9
+
+
+def test_unknown_key_suggests_closest():
+    assert error("--grpo.grop_size=4") == "unknown config key 'grpo.grop_size' (did you mean 'grpo.group_size'?)"
+
+
+def test_unknown_section_suggests_closest():
+    assert error("--optimiser.lr=1e-3") == "unknown config section 'optimiser' (did you mean 'optimizer'?)"
+
+
+def test_unknown_key_without_close_match_lists_section_keys():
+    message = error("--metrics.tensorboard=true")
+    assert message.startswith("unknown config key 'metrics.tensorboard'")
+    assert "console" in message
+
+
+def test_key_without_section():
+    assert "did you mean '--job.seed'?" in error("--seed=1")
+
+
+def test_argument_without_dashes():
+    assert "unexpected argument 'grpo.group_size=4'" in error("grpo.group_size=4")
+
+
+def test_missing_value():
+    assert error("--training.steps").startswith("missing value for '--training.steps'")
+    assert error("--training.steps", "--grpo.group_size=4").startswith("missing value for '--training.steps'")
+
+
+def test_wrong_type():
+    assert error("--training.steps=ten") == "config key 'training.steps' expects int, got str ('ten')"
+
+
+def test_bool_not_accepted_for_int():
+    assert error("--training.steps=true") == "config key 'training.steps' expects int, got bool (True)"
+
+
+def test_list_element_type():
+    message = error("--optimizer.betas=[0.9, \"x\"]")
+    assert message.startswith("config key 'optimizer.betas' expects list[float]")
+    assert "'x'" in message
+    assert "expects list[str]" in error("--generation.stop=stop")
+
+
+def test_choice():
+    message = error("--job.device=gpu")
+    assert message == "config key 'job.device' must be one of \"auto\", \"cpu\", \"cuda\"; got \"gpu\""
+    assert "parallelism.mode" in error("--parallelism.mode=async")
+    assert "\"reverse_digits\"" in error("--data.task=gsm8k")
+
+
+def test_group_size_one():
+    assert error("--grpo.group_size=1").startswith("grpo.group_size = 1 must be >= 2")
+
+
+def test_weights_functions_length_mismatch():
+    message = error("--rewards.weights=[1.0, 0.5]")
+    assert message.startswith("rewards.weights = [1.0, 0.5] has 2 values but rewards.functions has 1")
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("--training.steps=0", "training.steps"),
+        ("--data.prompts_per_step=0", "data.prompts_per_step"),
+        ("--training.micro_batch_size=0", "training.micro_batch_size"),
+        ("--generation.temperature=-0.1", "generation.temperature"),
+        ("--generation.top_p=0", "generation.top_p"),
+        ("--generation.top_p=1.5", "generation.top_p"),
+        ("--generation.top_k=-1", "generation.top_k"),
+        ("--generation.max_new_tokens=0", "generation.max_new_tokens"),
+        ("--data.digits_min=0", "data.digits_min"),
+        ("--data.digits_min=6", "data.digits_min"),
+        ("--rewards.functions=[]", "rewards.functions"),
+        ("--rewards.timeout_s=0", "rewards.timeout_s"),
+        ("--rewards.num_workers=-1", "rewards.num_workers"),
+        ("--optimizer.lr=0", "optimizer.lr"),
+        ("--optimizer.betas=[0.9]", "optimizer.betas"),
+        ("--optimizer.betas=[0.9, 1.0]", "optimizer.betas"),
+        ("--grpo.num_iterations=0", "grpo.num_iterations"),
+        ("--grpo.minibatches=0", "grpo.minibatches"),
+        ("--grpo.clip_eps_low=-0.1", "grpo.clip_eps_low"),
+        ("--grpo.clip_eps_high=-0.1", "grpo.clip_eps_high"),
+        ("--eval.num_prompts=0", "eval.num_prompts"),
+        ("--eval.every=-1", "eval.every"),
+        ("--model.n_kv_heads=3", "model.n_heads"),
+        ("--model.dim=66", "model.dim"),
+        ("--grpo.minibatches=3", "data.prompts_per_step"),
+    ],
+)
+def test_impossible_values_name_the_key(override, key):
+    assert error(override).startswith(key)
+
+
+def test_minibatches_must_divide_prompts():
+    message = error("--grpo.minibatches=3")
+    assert "grpo.minibatches = 3" in message and "divisor of 16" in message
+
+
+def test_colocated_prompts_divisible_by_world_size():
+    message = error(world_size=3)
+    assert message.startswith("data.prompts_per_step = 16 is not divisible by world size 3")
+    assert "--data.prompts_per_step to a multiple of 3, e.g. 15 or 18" in message
+    assert load("--data.prompts_per_step=15", world_size=3).data.prompts_per_step == 15
+
+
+def test_split_needs_two_ranks():
+    assert error("--parallelism.mode=split", world_size=1) == (
+        'parallelism.mode = "split" needs at least 2 ranks '
+        "(launch with torchrun --nproc_per_node=2 or more, or set --parallelism.mode=colocated)"
+    )
+
+
+def test_split_generator_ranks_zero():
+    message = error("--parallelism.mode=split", "--parallelism.generator_ranks=0", world_size=4)
+    assert message == "parallelism.generator_ranks = 0 leaves no generator rank; set it between 1 and 3"
+
+
+def test_split_generator_ranks_equal_world_size():
+    message = error("--parallelism.mode=split", "--parallelism.generator_ranks=2", world_size=2)
+    assert message == (
+        "parallelism.generator_ranks = 2 leaves no trainer rank with world size 2; set it between 1 and 1"
+    )
+
+
+def test_split_prompts_divisible_by_generator_ranks():
+    message = error("--parallelism.mode=split", "--parallelism.generator_ranks=3", world_size=8)
+    assert "parallelism.generator_ranks = 3" in message and "e.g. 15 or 18" in message
+    # trainer count does not need to divide the prompts
+    assert load("--parallelism.mode=split", "--parallelism.generator_ranks=2", world_size=5)
+
+
+def test_world_size_from_environment(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(ConfigError, match="world size 3"):
+        load_config([])
+
+
+def test_resolved_config_round_trip(tmp_path):
+    cfg = load(
+        "--job.output_dir=runs/a \"quoted\" \\ dir",
+        "--generation.stop=[\"\\n\", \"\\t\\u007f\", \"é\"]",
+        "--optimizer.lr=0.1",
+        "--optimizer.eps=1e-12",
+        "--rewards.functions=[\"reverse_digits\", \"my_rewards:length_penalty\"]",
+        "--rewards.weights=[1.0, -0.25]",
+        "--job.deterministic=true",
+    )
+    path = tmp_path / "out" / "config.toml"
+    write_resolved_config(cfg, path)
+    assert path.read_text(encoding="utf-8") == config_to_toml(cfg)
+    assert load("--config", str(path)) == cfg
+    assert load(f"--config={path}") == cfg
+
+
+def test_default_round_trip(tmp_path):
+    path = tmp_path / "config.toml"
+    write_resolved_config(Config(), path)
+    assert load("--config", str(path)) == Config()
+
+
+def test_partial_file_falls_back_to_defaults(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text("[grpo]\ngroup_size = 4\n")
+    cfg = load("--config", str(path), "--training.steps=2")
+    assert cfg.grpo.group_size == 4 and cfg.training.steps == 2
+    assert cfg.optimizer == Config().optimizer
+
+
+def test_unknown_key_in_file(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text("[grpo]\ngrop_size = 4\n")
+    assert error("--config", str(path)) == "unknown config key 'grpo.grop_size' (did you mean 'grpo.group_size'?)"
+
+
+def test_unknown_section_in_file(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text("[optimiser]\nlr = 1e-3\n")
+    assert error("--config", str(path)) == "unknown config section 'optimiser' (did you mean 'optimizer'?)"
+
+
+def test_wrong_type_in_file(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text("[training]\nsteps = \"ten\"\n")
+    assert error("--config", str(path)) == "config key 'training.steps' expects int, got str ('ten')"
+
+
+def test_missing_and_malformed_file(tmp_path):
+    assert error("--config", str(tmp_path / "nope.toml")).startswith("config file not found")
+    path = tmp_path / "bad.toml"
+    path.write_text("[grpo\n")
+    assert error("--config", str(path)).startswith(f"cannot parse config file {path}")
