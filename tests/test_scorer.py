@@ -1,0 +1,132 @@
+import multiprocessing
+import random
+import re
+import time
+
+import pytest
+import torch
+
+from grpo.scorer import Scorer
+from rewards import RewardError, load_reward, reverse_digits
+
+FIXTURES = "tests.fixtures.slow_rewards"
+
+
+@pytest.mark.parametrize(
+    "completion, answer, expected",
+    [
+        ("54321", "54321", 1.0),
+        ("54320", "54321", 0.8),
+        ("543210", "54321", 5 / 6),  # too long: 5 matches over 6 positions
+        ("5432", "54321", 0.8),  # too short: 4 matches over 5 positions
+        ("", "54321", 0.0),
+        ("5x3y1", "54321", 0.6),
+        ("abc", "321", 0.0),
+        ("12345", "54321", 0.2),  # the prompt echoed back: only the middle digit matches
+    ],
+)
+def test_reverse_digits(completion, answer, expected):
+    assert reverse_digits(answer[::-1], completion, answer, {}) == pytest.approx(expected)
+
+
+def test_prompt_ignoring_policies_score_at_most_a_tenth():
+    rng = random.Random(0)
+    prompts = ["".join(rng.choices("0123456789", k=rng.randint(3, 5))) for _ in range(4000)]
+    policies = {
+        "random digits, right length": lambda p: "".join(rng.choices("0123456789", k=len(p))),
+        "00000": lambda p: "00000",
+        "12345": lambda p: "12345",
+        "000": lambda p: "000",
+        "0": lambda p: "0",
+        "empty": lambda p: "",
+    }
+    for name, policy in policies.items():
+        mean = sum(reverse_digits(p, policy(p), p[::-1], {}) for p in prompts) / len(prompts)
+        assert mean <= 0.15, f"policy {name!r} scores {mean:.3f} without reading the prompt"
+    assert sum(reverse_digits(p, p[::-1], p[::-1], {}) for p in prompts) == len(prompts)
+
+
+def test_scorer_combines_weighted_functions():
+    prompts = ["12345", "12345", "12345", "123", "123"]
+    completions = ["54321", "54320", "543210", "", "3x1"]
+    answers = ["54321", "54321", "54321", "321", "321"]
+    metadata = [{"score": 1.0}, {"score": 0.5}, {"score": 0.0}, {"score": 2}, {"score": -1.0}]
+    expected_digits = [1.0, 0.8, 5 / 6, 0.0, 2 / 3]
+    expected_total = [2 * d - 0.5 * m["score"] for d, m in zip(expected_digits, metadata)]
+    functions = ["reverse_digits", f"{FIXTURES}:from_metadata"]
+
+    results = {}
+    for num_workers in (2, 0):  # 2 workers: two chunks per function, reassembled in order
+        with Scorer(functions, [2.0, -0.5], timeout_s=30.0, num_workers=num_workers) as scorer:
+            results[num_workers] = scorer.score(prompts, completions, answers, metadata)
+
+    scored = results[2]
+    assert list(scored.per_function) == ["reverse_digits", "from_metadata"]
+    assert scored.total.dtype == torch.float32 and scored.total.shape == (5,)
+    torch.testing.assert_close(scored.per_function["reverse_digits"], torch.tensor(expected_digits))
+    torch.testing.assert_close(scored.per_function["from_metadata"], torch.tensor([1.0, 0.5, 0.0, 2.0, -1.0]))
+    torch.testing.assert_close(scored.total, torch.tensor(expected_total))
+    assert torch.equal(results[0].total, scored.total)
+    for name in functions[:1] + ["from_metadata"]:
+        assert torch.equal(results[0].per_function[name], scored.per_function[name])
+
+
+def test_raising_function_names_function_episode_and_exception():
+    completions = ["a", "b", "c", "bad", "d"]
+    with Scorer([f"{FIXTURES}:boom"], [1.0], timeout_s=30.0, num_workers=2) as scorer:
+        with pytest.raises(RewardError) as error:
+            scorer.score(["0", "1", "2", "3", "4"], completions, [""] * 5, [{}] * 5)
+    assert str(error.value) == (
+        "reward function 'boom' raised ValueError('boom') on episode 3 (prompt '3', completion 'bad')"
+    )
+
+
+@pytest.mark.parametrize(
+    "function, returned",
+    [("not_a_number", "returned 'x' (str)"), ("nan_reward", "returned nan (float)")],
+)
+def test_bad_return_value(function, returned):
+    long_prompt = "7" * 100
+    with Scorer([f"{FIXTURES}:{function}"], [1.0], timeout_s=30.0, num_workers=0) as scorer:
+        with pytest.raises(RewardError) as error:
+            scorer.score([long_prompt], ["1"], [""], [{}])
+    message = str(error.value)
+    assert message.startswith(f"reward function {function!r} {returned} on episode 0 (prompt '777")
+    assert "7" * 70 not in message  # prompt clipped
+    assert message.endswith("completion '1'); expected a finite number")
+
+
+def test_hanging_function_times_out_and_workers_die():
+    children_before = set(multiprocessing.active_children())
+    scorer = Scorer([f"{FIXTURES}:hang"], [1.0], timeout_s=0.5, num_workers=2)
+    start = time.monotonic()
+    with pytest.raises(RewardError, match=re.escape("reward function 'hang' timed out after 0.5 s on episodes 0-1")):
+        scorer.score(["1", "2", "3", "4"], ["1", "2", "3", "4"], [""] * 4, [{}] * 4)
+    assert time.monotonic() - start < 0.5 + 2
+    start = time.monotonic()
+    scorer.close()
+    assert time.monotonic() - start < 2
+    assert set(multiprocessing.active_children()) <= children_before
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("nosuchmodule:f", "reward function 'nosuchmodule:f': cannot import module 'nosuchmodule' "
+                           "(No module named 'nosuchmodule')"),
+        (f"{FIXTURES}:missing", f"reward function '{FIXTURES}:missing': module '{FIXTURES}' "
+                                "has no attribute 'missing'"),
+        (f"{FIXTURES}:NOT_CALLABLE", f"reward function '{FIXTURES}:NOT_CALLABLE': "
+                                     "'NOT_CALLABLE' is not callable (int)"),
+        (f"{FIXTURES}:two_args", f"reward function '{FIXTURES}:two_args': signature (prompt: str, completion: str) "
+                                 "-> float does not accept (prompt, completion, answer, metadata)"),
+        ("reverse_digit", "unknown reward function 'reverse_digit'; built-ins: reverse_digits "
+                          "(or give 'module:function')"),
+        (":f", "reward function ':f': expected 'module:function'"),
+    ],
+)
+def test_bad_spec_fails_at_construction(spec, message):
+    with pytest.raises(RewardError, match=f"^{re.escape(message)}$"):
+        load_reward(spec)
+    with pytest.raises(RewardError, match=f"^{re.escape(message)}$"):
+        Scorer(["reverse_digits", spec], [1.0, 1.0], timeout_s=1.0, num_workers=1)
