@@ -1,0 +1,88 @@
+"""Prompt sources and tokenizers: the built-in character tokenizer and digit-reversal task."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Prompt:
+    """One prompt of the dataset: `index` is its stable id (keys sampling randomness)."""
+
+    index: int
+    text: str
+    answer: str
+    token_ids: list[int]
+    metadata: dict = field(default_factory=dict)
+
+
+class CharTokenizer:
+    """A fixed character vocabulary for the built-in task: no files, no downloads.
+
+    Ids 0, 1, 2 are pad, bos and eos; every character of `alphabet` gets its own id after them.
+    """
+
+    pad_id, bos_id, eos_id = 0, 1, 2
+
+    def __init__(self, alphabet: str = "0123456789="):
+        self.alphabet = alphabet
+        self._ids = {ch: i + 3 for i, ch in enumerate(alphabet)}
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.alphabet) + 3
+
+    @property
+    def eos_ids(self) -> list[int]:
+        return [self.eos_id]
+
+    def encode(self, text: str) -> list[int]:
+        unknown = sorted(set(text) - set(self._ids))
+        if unknown:
+            raise ValueError(f"characters {unknown} are not in the built-in tokenizer's alphabet {self.alphabet!r}")
+        return [self._ids[ch] for ch in text]
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of the non-special ids."""
+        return "".join(self.alphabet[i - 3] for i in ids if i >= 3)
+
+
+class ReverseDigitsTask:
+    """Built-in verifiable task: the prompt is a random digit string, the answer its reversal.
+
+    Prompts are `<bos> d1 .. dn =`. The held-out set is drawn first from its own seed and every
+    training prompt equal to a held-out one is redrawn, so held-out prompts are never trained on.
+    Training prompts for step s depend only on (seed, s), so any rank can rebuild any step's batch.
+    """
+
+    def __init__(self, tokenizer: CharTokenizer, digits_min: int, digits_max: int, seed: int, num_eval: int):
+        self.tokenizer = tokenizer
+        self.digits_min, self.digits_max, self.seed = digits_min, digits_max, seed
+        eval_rng = random.Random(f"eval-{seed}")
+        eval_texts: list[str] = []
+        while len(eval_texts) < num_eval:
+            text = self._draw(eval_rng)
+            if text not in eval_texts:
+                eval_texts.append(text)
+        self._held_out = set(eval_texts)
+        self.eval_prompts = [self._prompt(-(i + 1), text) for i, text in enumerate(eval_texts)]
+
+    def _draw(self, rng: random.Random) -> str:
+        length = rng.randint(self.digits_min, self.digits_max)
+        return "".join(rng.choice("0123456789") for _ in range(length))
+
+    def _prompt(self, index: int, digits: str) -> Prompt:
+        token_ids = [self.tokenizer.bos_id, *self.tokenizer.encode(digits + "=")]
+        return Prompt(index=index, text=digits, answer=digits[::-1], token_ids=token_ids)
+
+    def train_prompts(self, step: int, count: int) -> list[Prompt]:
+        """The `count` training prompts of RL step `step` (indices step * count + i)."""
+        rng = random.Random(f"train-{self.seed}-{step}")
+        prompts = []
+        for i in range(count):
+            text = self._draw(rng)
+            while text in self._held_out:
+                text = self._draw(rng)
+            prompts.append(self._prompt(step * count + i, text))
+        return prompts
