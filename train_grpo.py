@@ -1,33 +1,43 @@
-"""tandem: GRPO post-training in native PyTorch, generation and training in one launch.
+"""tandem: GRPO post-training in native PyTorch, generator and trainer ranks in one launch.
 
-Launch (every rank generates, then trains; see config.toml for every key):
+Launch (config.toml documents every key; override any with --section.key=value):
 
+    torchrun --nproc_per_node=2 train_grpo.py                             # 1 generator + 1 trainer rank
     torchrun --nproc_per_node=2 train_grpo.py --parallelism.mode=colocated
-    python train_grpo.py --training.steps=20                 # one process
-    torchrun --nproc_per_node=8 train_grpo.py --config my.toml --optimizer.lr=1e-6
+    python train_grpo.py --parallelism.mode=colocated                     # one process
+    torchrun --nproc_per_node=8 train_grpo.py --parallelism.generator_ranks=2 --config my.toml
 """
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import sys
 import time
 from contextlib import closing
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 
 from grpo.config import Config, ConfigError, load_config, write_resolved_config
-from grpo.data import CharTokenizer, ReverseDigitsTask
+from grpo.data import CharTokenizer, Prompt, ReverseDigitsTask
 from grpo.engine import NativeEngine, SamplingParams
+from grpo.episode import EpisodeBatch
 from grpo.metrics import MetricsLogger
-from grpo.rollout import evaluate, rollout
+from grpo.roles import Roles, build_roles
+from grpo.rollout import generate_episodes, score_episodes
 from grpo.scorer import Scorer
 from grpo.trainer import Trainer
+from grpo.transport import exchange_episodes
+from grpo.weight_sync import WeightSync
 from model import ModelArgs, Transformer
 from rewards import RewardError
+
+
+class RunAborted(RuntimeError):
+    """Another rank hit an error; this rank stops at the same step without a message of its own."""
 
 
 def _free_port() -> int:
@@ -44,7 +54,7 @@ def init_distributed(cfg: Config) -> torch.device:
     if use_cuda:
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
-        # nccl for CUDA tensors, gloo for the small CPU tensors of control messages.
+        # nccl for CUDA tensors (weights), gloo for CPU tensors (episodes, control, metrics).
         dist.init_process_group("cuda:nccl,cpu:gloo", device_id=device)
     else:
         device = torch.device("cpu")
@@ -73,136 +83,224 @@ def builtin_model_args(cfg: Config, vocab_size: int) -> ModelArgs:
     )
 
 
-def all_reduce_sums(values: dict[str, float], device: torch.device) -> dict[str, float]:
-    tensor = torch.tensor(list(values.values()), dtype=torch.float64, device=device)
-    dist.all_reduce(tensor)
+def reduce(values: dict[str, float], group: dist.ProcessGroup | None, op=dist.ReduceOp.SUM) -> dict[str, float]:
+    """All-reduce a dict of floats over `group` (CPU tensors: gloo)."""
+    tensor = torch.tensor(list(values.values()), dtype=torch.float64)
+    dist.all_reduce(tensor, op=op, group=group)
     return dict(zip(values, tensor.tolist()))
 
 
-def run(cfg: Config) -> None:
-    device = init_distributed(cfg)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if cfg.job.deterministic:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True)
-    if rank == 0:
-        write_resolved_config(cfg, os.path.join(cfg.job.output_dir, "config.toml"))
-    scorer = Scorer(cfg.rewards.functions, cfg.rewards.weights, cfg.rewards.timeout_s, cfg.rewards.num_workers)
-    try:
-        _train(cfg, device, rank, world, scorer)
-    finally:
-        scorer.close()
-        dist.destroy_process_group()
+class Run:
+    """The components of one job on this rank, built according to its role."""
 
+    def __init__(self, cfg: Config, device: torch.device, roles: Roles, scorer: Scorer | None):
+        self.cfg, self.device, self.roles, self.scorer = cfg, device, roles, scorer
+        self.dtype = compute_dtype(cfg, device)
+        self.tokenizer = CharTokenizer()
+        self.task = ReverseDigitsTask(
+            self.tokenizer, cfg.data.digits_min, cfg.data.digits_max, cfg.job.seed, cfg.eval.num_prompts
+        )
+        args = builtin_model_args(cfg, self.tokenizer.vocab_size)
+        self.trainer_group = roles.trainer_mesh.get_group() if roles.trainer_mesh is not None else None
+        self.trainer = self.engine = None
+        if roles.is_trainer:
+            torch.manual_seed(cfg.job.seed)
+            policy = Transformer(args, dtype=torch.float32, device=device)
+            policy.init_weights()
+            self.trainer = Trainer(
+                policy,
+                roles.trainer_mesh,
+                device,
+                self.dtype,
+                cfg.grpo,
+                cfg.optimizer,
+                total_steps=cfg.training.steps,
+                micro_batch_size=cfg.training.micro_batch_size,
+                temperature=cfg.generation.temperature,
+                activation_checkpointing=cfg.model.activation_checkpointing,
+                compile=cfg.model.compile,
+            )
+        gen = cfg.generation
+        if roles.is_generator:
+            self.engine = NativeEngine(
+                args,
+                SamplingParams(gen.max_new_tokens, gen.temperature, gen.top_p, gen.top_k),
+                eos_ids=self.tokenizer.eos_ids,
+                seed=cfg.job.seed,
+                dtype=self.dtype,
+                device=device,
+                pad_id=self.tokenizer.pad_id,
+                stop_strings=gen.stop,
+                decode_text=self.tokenizer.decode,
+            )
+        with torch.device("meta"):
+            shapes = {name: tuple(p.shape) for name, p in Transformer(args).named_parameters()}
+        self.weight_bytes = sum(math.prod(s) for s in shapes.values()) * torch.empty((), dtype=self.dtype).element_size()
+        self.weight_sync = None
+        if roles.split:
+            self.weight_sync = WeightSync(
+                shapes, roles.trainer_ranks, roles.weight_groups, self.dtype, device, cfg.parallelism.weight_bucket_mb * 2**20
+            )
+        self.greedy = SamplingParams(gen.max_new_tokens, temperature=0.0)
 
-def _train(cfg: Config, device: torch.device, rank: int, world: int, scorer: Scorer) -> None:
-    start = time.perf_counter()
-    dtype = compute_dtype(cfg, device)
-    tokenizer = CharTokenizer()
-    task = ReverseDigitsTask(tokenizer, cfg.data.digits_min, cfg.data.digits_max, cfg.job.seed, cfg.eval.num_prompts)
-    args = builtin_model_args(cfg, tokenizer.vocab_size)
+    def sync_weights(self, version: int) -> float:
+        """Push the trainer's weights into every engine; returns the seconds it took."""
+        start = time.perf_counter()
+        if not self.roles.split:
+            self.engine.update_weights([self.trainer.full_weights(self.dtype)], version)
+        elif self.roles.is_trainer:
+            self.weight_sync.send(dict(self.trainer.model.named_parameters()))
+        else:
+            self.weight_sync.receive(self.engine, version)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - start
 
-    torch.manual_seed(cfg.job.seed)
-    policy = Transformer(args, dtype=torch.float32, device=device)
-    policy.init_weights()
-    mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("trainer",))
-    trainer = Trainer(
-        policy,
-        mesh,
-        device,
-        dtype,
-        cfg.grpo,
-        cfg.optimizer,
-        total_steps=cfg.training.steps,
-        micro_batch_size=cfg.training.micro_batch_size,
-        temperature=cfg.generation.temperature,
-        activation_checkpointing=cfg.model.activation_checkpointing,
-        compile=cfg.model.compile,
-    )
-    gen = cfg.generation
-    engine = NativeEngine(
-        args,
-        SamplingParams(gen.max_new_tokens, gen.temperature, gen.top_p, gen.top_k),
-        eos_ids=tokenizer.eos_ids,
-        seed=cfg.job.seed,
-        dtype=dtype,
-        device=device,
-        pad_id=tokenizer.pad_id,
-        stop_strings=gen.stop,
-        decode_text=tokenizer.decode,
-    )
-    engine.update_weights([trainer.full_weights(dtype)], version=0)
-    logger = MetricsLogger(cfg.job.output_dir, rank == 0, cfg.metrics.console, cfg.training.steps)
-    engine_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    def collect_episodes(
+        self, prompts: list[Prompt], group_size: int, step: int, sampling: SamplingParams | None = None
+    ) -> tuple[EpisodeBatch | None, float]:
+        """Generate on generator ranks, deliver whole groups to trainer ranks.
+        Returns (this trainer's episodes or None, generation seconds of the slowest generator)."""
+        roles = self.roles
+        generators = len(roles.generator_ranks)
+        batch, generate_s = None, 0.0
+        if roles.is_generator:
+            mine = prompts[roles.generator_ranks.index(roles.rank) :: generators]
+            start = time.perf_counter()
+            batch = generate_episodes(self.engine, mine, group_size, step, self.tokenizer.pad_id, sampling)
+            generate_s = time.perf_counter() - start
+        if roles.split:
+            return exchange_episodes(batch, roles, math.ceil(len(prompts) / generators), generate_s)
+        return batch, reduce({"t": generate_s}, None, dist.ReduceOp.MAX)["t"]
 
-    eval_prompts = task.eval_prompts[rank::world]
+    def score(self, episodes: EpisodeBatch, prompts: list[Prompt], group_size: int) -> dict[str, float]:
+        """Score on trainer ranks; every rank (generators too) learns whether any trainer failed."""
+        failure = None
+        sums: dict[str, float] = {}
+        if self.roles.is_trainer:
+            try:
+                sums = score_episodes(
+                    self.scorer, episodes, {p.index: p for p in prompts}, self.tokenizer.decode, group_size
+                ).per_function
+            except RewardError as error:
+                failure = error
+        flag = {"failed": float(failure is not None)}
+        if self.roles.split:
+            if self.roles.is_trainer:
+                flag = reduce(flag, self.trainer_group, dist.ReduceOp.MAX)
+            flag_tensor = torch.tensor([flag["failed"]])
+            dist.broadcast(flag_tensor, src=self.roles.leader, group=self.roles.control_group)
+            flag["failed"] = float(flag_tensor)
+        else:
+            flag = reduce(flag, None, dist.ReduceOp.MAX)
+        if failure is not None:
+            raise failure
+        if flag["failed"]:
+            raise RunAborted()
+        return sums
 
-    def run_eval() -> dict[str, float]:
-        reward_sum, length_sum = evaluate(engine, scorer, eval_prompts, gen.max_new_tokens, tokenizer.decode)
-        totals = all_reduce_sums({"reward": reward_sum, "length": length_sum}, device)
-        n = len(task.eval_prompts)
-        return {"eval/reward_mean": totals["reward"] / n, "eval/length_mean": totals["length"] / n}
+    def evaluate(self) -> dict[str, float]:
+        """Greedy completions of the held-out prompts, scored on trainer ranks."""
+        prompts = self.task.eval_prompts
+        episodes, _ = self.collect_episodes(prompts, 1, step=0, sampling=self.greedy)
+        self.score(episodes, prompts, group_size=1)
+        if not self.roles.is_trainer:
+            return {}
+        totals = reduce(
+            {"reward": float(episodes.rewards.sum()), "length": float(episodes.completion_lens.sum())},
+            self.trainer_group,
+        )
+        return {"eval/reward_mean": totals["reward"] / len(prompts), "eval/length_mean": totals["length"] / len(prompts)}
 
-    first_eval = run_eval()
-    logger.log(0, first_eval)
-    last_eval = first_eval
-    per_rank = cfg.data.prompts_per_step // world
-    for step in range(1, cfg.training.steps + 1):
-        t0 = time.perf_counter()
-        prompts = task.train_prompts(step, cfg.data.prompts_per_step)[rank * per_rank : (rank + 1) * per_rank]
-        try:
-            result = rollout(engine, scorer, prompts, cfg.grpo.group_size, step, tokenizer.decode, tokenizer.pad_id)
-            failure = None
-        except RewardError as error:
-            result, failure = None, error
-        # Every rank learns of a reward failure on any rank, so all stop at the same point.
-        failed = all_reduce_sums({"failed": float(failure is not None)}, device)["failed"]
-        if failed:
-            raise failure if failure is not None else RewardError("a reward function failed on another rank")
-        episodes = result.episodes
-        t_train = time.perf_counter()
-        train_metrics = trainer.train(episodes)
-        t_sync = time.perf_counter()
-        engine.update_weights([trainer.full_weights(dtype)], version=step)
-        t_end = time.perf_counter()
-
-        sums = all_reduce_sums(
+    def step(self, step: int) -> dict[str, float]:
+        """One RL step; returns the step's metrics on trainer ranks ({} on generator-only ranks)."""
+        cfg = self.cfg
+        start = time.perf_counter()
+        prompts = self.task.train_prompts(step, cfg.data.prompts_per_step)
+        episodes, generate_s = self.collect_episodes(prompts, cfg.grpo.group_size, step)
+        score_start = time.perf_counter()
+        reward_sums = self.score(episodes, prompts, cfg.grpo.group_size)
+        train_start = time.perf_counter()
+        train_metrics = self.trainer.train(episodes) if self.roles.is_trainer else {}
+        train_end = time.perf_counter()
+        sync_s = self.sync_weights(step)
+        if not self.roles.is_trainer:
+            return {}
+        sums = reduce(
             {
                 "reward": float(episodes.rewards.sum()),
                 "episodes": float(len(episodes)),
                 "completion_tokens": float(episodes.completion_lens.sum()),
                 "tokens": float(episodes.seq_lens.sum()),
                 "truncated": float(episodes.truncated.sum()),
-                **{f"reward/{name}": total for name, total in result.reward_sums.items()},
+                **{f"reward/{name}": total for name, total in reward_sums.items()},
             },
-            device,
+            self.trainer_group,
+        )
+        slowest = reduce(
+            {"score": train_start - score_start, "train": train_end - train_start, "sync": sync_s},
+            self.trainer_group,
+            dist.ReduceOp.MAX,
         )
         n = sums["episodes"]
-        metrics = {
+        return {
             "reward/mean": sums["reward"] / n,
             **{key: sums[key] / n for key in sums if key.startswith("reward/")},
             "episode/length_mean": sums["completion_tokens"] / n,
             "episode/truncated_frac": sums["truncated"] / n,
             **train_metrics,
-            "time/generate_s": result.generate_s,
-            "time/score_s": result.score_s,
-            "time/train_s": t_sync - t_train,
-            "time/weight_sync_s": t_end - t_sync,
-            "time/step_s": t_end - t0,
-            "throughput/generate_tok_s": sums["completion_tokens"] / result.generate_s,
-            "throughput/train_tok_s": sums["tokens"] * cfg.grpo.num_iterations / (t_sync - t_train),
-            "weight_sync/GBps": engine_bytes / (t_end - t_sync) / 1e9,
+            "time/generate_s": generate_s,
+            "time/score_s": slowest["score"],
+            "time/train_s": slowest["train"],
+            "time/weight_sync_s": slowest["sync"],
+            "time/step_s": time.perf_counter() - start,
+            "throughput/generate_tok_s": sums["completion_tokens"] / max(generate_s, 1e-9),
+            "throughput/train_tok_s": sums["tokens"] * cfg.grpo.num_iterations / max(slowest["train"], 1e-9),
+            "weight_sync/GBps": self.weight_bytes / max(slowest["sync"], 1e-9) / 1e9,
         }
+
+
+def run(cfg: Config) -> None:
+    device = init_distributed(cfg)
+    try:
+        roles = build_roles(cfg.parallelism.mode, cfg.parallelism.generator_ranks, device)
+        if cfg.job.deterministic:
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.use_deterministic_algorithms(True)
+        if roles.rank == roles.leader:
+            write_resolved_config(cfg, Path(cfg.job.output_dir) / "config.toml")
+        scorer = None
+        if roles.is_trainer:
+            scorer = Scorer(cfg.rewards.functions, cfg.rewards.weights, cfg.rewards.timeout_s, cfg.rewards.num_workers)
+        try:
+            _loop(cfg, Run(cfg, device, roles, scorer))
+        finally:
+            if scorer is not None:
+                scorer.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def _loop(cfg: Config, job: Run) -> None:
+    start = time.perf_counter()
+    roles = job.roles
+    is_leader = roles.rank == roles.leader
+    logger = MetricsLogger(cfg.job.output_dir, is_leader, cfg.metrics.console, cfg.training.steps)
+    job.sync_weights(version=0)
+    first_eval = last_eval = job.evaluate()
+    logger.log(0, first_eval)
+    for step in range(1, cfg.training.steps + 1):
+        metrics = job.step(step)
         if step == cfg.training.steps or (cfg.eval.every and step % cfg.eval.every == 0):
-            last_eval = run_eval()
+            last_eval = job.evaluate()
             metrics.update(last_eval)
         logger.log(step, metrics)
-
-    if rank == 0:
+    if is_leader:
         print(
-            f"done: {cfg.training.steps} steps in {time.perf_counter() - start:.0f} s; held-out reward "
-            f"{first_eval['eval/reward_mean']:.3f} -> {last_eval['eval/reward_mean']:.3f} "
-            f"(greedy, {len(task.eval_prompts)} prompts); metrics: {logger.path}",
+            f"done: {cfg.training.steps} steps in {time.perf_counter() - start:.0f} s "
+            f"({cfg.parallelism.mode}, {len(roles.generator_ranks)} generator / {len(roles.trainer_ranks)} trainer ranks); "
+            f"held-out reward {first_eval['eval/reward_mean']:.3f} -> {last_eval['eval/reward_mean']:.3f} "
+            f"(greedy, {len(job.task.eval_prompts)} prompts); metrics: {logger.path}",
             flush=True,
         )
 
@@ -217,6 +315,8 @@ def main(argv: list[str] | None = None) -> int:
         run(cfg)
     except RewardError as error:
         print(f"error: {error}", file=sys.stderr)
+        return 1
+    except RunAborted:
         return 1
     return 0
 

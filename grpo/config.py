@@ -147,6 +147,8 @@ class ParallelismConfig:
     mode: str = "colocated"
     # split mode: number of generator ranks; the rest train
     generator_ranks: int = 1
+    # split mode: size of one weight-sync bucket (MiB); no rank holds more than one beyond its own shard
+    weight_bucket_mb: int = 64
 
 
 @dataclass
@@ -400,6 +402,7 @@ def validate_config(cfg: Config, world_size: int) -> None:
 
     prompts = d.prompts_per_step
     par = cfg.parallelism
+    _require(par.weight_bucket_mb >= 1, "parallelism.weight_bucket_mb", par.weight_bucket_mb, "must be >= 1")
     if par.mode == "colocated":
         _require_multiple(
             prompts, world_size, f"world size {world_size}", "colocated mode: every rank generates an equal share"

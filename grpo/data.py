@@ -20,18 +20,20 @@ class Prompt:
 class CharTokenizer:
     """A fixed character vocabulary for the built-in task: no files, no downloads.
 
-    Ids 0, 1, 2 are pad, bos and eos; every character of `alphabet` gets its own id after them.
+    Id 0 is EOS (and padding); every character of `alphabet` gets its own id after it. There is no
+    other special token: every token a policy emits before EOS is a visible character that the
+    reward sees, so no token can pad a completion for free.
     """
 
-    pad_id, bos_id, eos_id = 0, 1, 2
+    eos_id = pad_id = 0
 
     def __init__(self, alphabet: str = "0123456789="):
         self.alphabet = alphabet
-        self._ids = {ch: i + 3 for i, ch in enumerate(alphabet)}
+        self._ids = {ch: i + 1 for i, ch in enumerate(alphabet)}
 
     @property
     def vocab_size(self) -> int:
-        return len(self.alphabet) + 3
+        return len(self.alphabet) + 1
 
     @property
     def eos_ids(self) -> list[int]:
@@ -44,14 +46,14 @@ class CharTokenizer:
         return [self._ids[ch] for ch in text]
 
     def decode(self, ids: list[int]) -> str:
-        """Text of the non-special ids."""
-        return "".join(self.alphabet[i - 3] for i in ids if i >= 3)
+        """Text of the ids, EOS dropped."""
+        return "".join(self.alphabet[i - 1] for i in ids if i != self.eos_id)
 
 
 class ReverseDigitsTask:
     """Built-in verifiable task: the prompt is a random digit string, the answer its reversal.
 
-    Prompts are `<bos> d1 .. dn =`. The held-out set is drawn first from its own seed and every
+    Prompts are `d1 .. dn =`. The held-out set is drawn first from its own seed and every
     training prompt equal to a held-out one is redrawn, so held-out prompts are never trained on.
     Training prompts for step s depend only on (seed, s), so any rank can rebuild any step's batch.
     """
@@ -73,7 +75,7 @@ class ReverseDigitsTask:
         return "".join(rng.choice("0123456789") for _ in range(length))
 
     def _prompt(self, index: int, digits: str) -> Prompt:
-        token_ids = [self.tokenizer.bos_id, *self.tokenizer.encode(digits + "=")]
+        token_ids = self.tokenizer.encode(digits + "=")
         return Prompt(index=index, text=digits, answer=digits[::-1], token_ids=token_ids)
 
     def train_prompts(self, step: int, count: int) -> list[Prompt]:

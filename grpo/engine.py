@@ -17,6 +17,9 @@ from model import KVCache, ModelArgs, Transformer
 
 _M32 = 0xFFFFFFFF
 
+# (parameter name, index into it as a tuple of slices, values): one piece of a weight update.
+WeightUpdate = tuple[str, tuple[slice, ...], torch.Tensor]
+
 
 @dataclass
 class SamplingParams:
@@ -102,13 +105,14 @@ class NativeEngine:
         self._queue: list[tuple[GenerationRequest, SamplingParams]] = []
 
     @torch.no_grad()
-    def update_weights(self, buckets: Iterable[Iterable[tuple[str, torch.Tensor]]], version: int) -> None:
-        """Copy (name, tensor) pairs, bucket by bucket, into the engine's own parameters."""
+    def update_weights(self, buckets: Iterable[Iterable[WeightUpdate]], version: int) -> None:
+        """Copy (name, index, tensor) updates, bucket by bucket, into the engine's own parameters:
+        `param[index] = tensor`, where index is a tuple of slices (empty for the whole parameter)."""
         for bucket in buckets:
-            for name, tensor in bucket:
+            for name, index, tensor in bucket:
                 if name not in self._params:
                     raise KeyError(f"engine model has no parameter {name!r}")
-                self._params[name].copy_(tensor)
+                self._params[name][index].copy_(tensor)
         self.version = version
 
     def submit(self, requests: Iterable[GenerationRequest], sampling: SamplingParams | None = None) -> None:

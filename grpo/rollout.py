@@ -1,8 +1,9 @@
-"""One RL step's data path: prompts -> engine -> episodes -> Scorer -> advantages; and evaluation."""
+"""One RL step's data path: prompts -> engine -> episodes (generator side) and
+episodes -> Scorer -> rewards and group advantages (trainer side)."""
 
 from __future__ import annotations
 
-import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -11,18 +12,6 @@ from grpo.data import Prompt
 from grpo.engine import Completion, GenerationRequest, NativeEngine, SamplingParams
 from grpo.episode import EpisodeBatch, group_advantages
 from grpo.scorer import Scorer
-
-
-@dataclass
-class Rollout:
-    """Scored episodes of one step, laid out group by group, and their decoded completion texts."""
-
-    episodes: EpisodeBatch
-    texts: list[str]
-    # per reward function: sum over this rank's episodes (summed across ranks before averaging)
-    reward_sums: dict[str, float]
-    generate_s: float
-    score_s: float
 
 
 def generate_requests(prompts: list[Prompt], group_size: int, step: int) -> list[GenerationRequest]:
@@ -37,9 +26,9 @@ def generate_requests(prompts: list[Prompt], group_size: int, step: int) -> list
 def episodes_from_completions(completions: list[Completion], pad_id: int) -> EpisodeBatch:
     """Lay completions out as an EpisodeBatch (prompt then completion per row, right-padded)."""
     n = len(completions)
-    prompt_lens = torch.tensor([len(c.request.prompt_tokens) for c in completions])
-    completion_lens = torch.tensor([len(c.tokens) for c in completions])
-    width = int((prompt_lens + completion_lens).max())
+    prompt_lens = torch.tensor([len(c.request.prompt_tokens) for c in completions], dtype=torch.long)
+    completion_lens = torch.tensor([len(c.tokens) for c in completions], dtype=torch.long)
+    width = int((prompt_lens + completion_lens).max()) if n else 1
     tokens = torch.full((n, width), pad_id, dtype=torch.long)
     gen_logprobs = torch.zeros((n, width), dtype=torch.float32)
     for i, c in enumerate(completions):
@@ -52,48 +41,47 @@ def episodes_from_completions(completions: list[Completion], pad_id: int) -> Epi
         prompt_lens=prompt_lens,
         completion_lens=completion_lens,
         gen_logprobs=gen_logprobs,
-        truncated=torch.tensor([c.finish_reason == "length" for c in completions]),
-        version=torch.tensor([c.version for c in completions]),
-        prompt_index=torch.tensor([c.request.prompt_index for c in completions]),
-        sample_index=torch.tensor([c.request.sample_index for c in completions]),
+        truncated=torch.tensor([c.finish_reason == "length" for c in completions], dtype=torch.bool),
+        version=torch.tensor([c.version for c in completions], dtype=torch.long),
+        prompt_index=torch.tensor([c.request.prompt_index for c in completions], dtype=torch.long),
+        sample_index=torch.tensor([c.request.sample_index for c in completions], dtype=torch.long),
         rewards=torch.zeros(n),
         advantages=torch.zeros(n),
     )
 
 
-def score(scorer: Scorer, prompts: list[Prompt], completions: list[Completion], decode) -> tuple[torch.Tensor, dict[str, torch.Tensor], list[str]]:
-    """Rewards [N], per-function rewards and completion texts of completions of `prompts`."""
-    by_index = {p.index: p for p in prompts}
-    owners = [by_index[c.request.prompt_index] for c in completions]
-    texts = [decode(c.tokens) for c in completions]
-    scored = scorer.score(
-        [p.text for p in owners], texts, [p.answer for p in owners], [p.metadata for p in owners]
-    )
-    return scored.total, scored.per_function, texts
+def generate_episodes(
+    engine: NativeEngine,
+    prompts: list[Prompt],
+    group_size: int,
+    step: int,
+    pad_id: int,
+    sampling: SamplingParams | None = None,
+) -> EpisodeBatch:
+    """group_size completions of each prompt, as episodes laid out group by group."""
+    return episodes_from_completions(engine.generate(generate_requests(prompts, group_size, step), sampling), pad_id)
 
 
-def rollout(
-    engine: NativeEngine, scorer: Scorer, prompts: list[Prompt], group_size: int, step: int, decode, pad_id: int
-) -> Rollout:
-    """Generate group_size completions per prompt, score them and compute group advantages."""
-    start = time.perf_counter()
-    completions = engine.generate(generate_requests(prompts, group_size, step))
-    generated = time.perf_counter()
-    episodes = episodes_from_completions(completions, pad_id)
-    rewards, per_function, texts = score(scorer, prompts, completions, decode)
-    episodes.rewards = rewards
-    episodes.advantages = group_advantages(rewards, group_size)
-    reward_sums = {name: float(values.sum()) for name, values in per_function.items()}
-    return Rollout(episodes, texts, reward_sums, generated - start, time.perf_counter() - generated)
+@dataclass
+class ScoreSums:
+    """Per reward function: the sum over this rank's episodes (summed across ranks, then averaged)."""
+
+    per_function: dict[str, float]
 
 
-def evaluate(
-    engine: NativeEngine, scorer: Scorer, prompts: list[Prompt], max_new_tokens: int, decode
-) -> tuple[float, float]:
-    """Greedy completions of held-out prompts: (sum of rewards, sum of completion lengths)."""
-    if not prompts:
-        return 0.0, 0.0
-    greedy = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
-    completions = engine.generate(generate_requests(prompts, 1, step=0), greedy)
-    rewards, _, _ = score(scorer, prompts, completions, decode)
-    return float(rewards.sum()), float(sum(len(c.tokens) for c in completions))
+def score_episodes(
+    scorer: Scorer,
+    episodes: EpisodeBatch,
+    prompts: dict[int, Prompt],
+    decode: Callable[[list[int]], str],
+    group_size: int,
+) -> ScoreSums:
+    """Fill episodes.rewards and episodes.advantages (groups must be whole and contiguous)."""
+    owners = [prompts[int(i)] for i in episodes.prompt_index]
+    texts = [decode(episodes.completion(i)) for i in range(len(episodes))]
+    scored = scorer.score([p.text for p in owners], texts, [p.answer for p in owners], [p.metadata for p in owners])
+    episodes.rewards = scored.total
+    # Evaluation scores single samples (group_size 1): there is no group to be relative to.
+    if group_size > 1 and len(episodes):
+        episodes.advantages = group_advantages(scored.total, group_size)
+    return ScoreSums({name: float(values.sum()) for name, values in scored.per_function.items()})

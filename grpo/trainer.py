@@ -76,11 +76,12 @@ class Trainer:
         )
         self.group = mesh.get_group()
 
-    def full_weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-        """(name, full parameter cast to dtype), one at a time. Collective: every trainer rank must iterate."""
+    def full_weights(self, dtype: torch.dtype) -> Iterator[tuple[str, tuple[slice, ...], torch.Tensor]]:
+        """Whole parameters cast to dtype as engine weight updates, one at a time.
+        Collective: every trainer rank must iterate."""
         for name, param in self.model.named_parameters():
             tensor = param.full_tensor() if isinstance(param, DTensor) else param
-            yield name, tensor.detach().to(dtype)
+            yield name, (), tensor.detach().to(dtype)
 
     def _all_reduce(self, values: list[float], op=dist.ReduceOp.SUM) -> list[float]:
         tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
@@ -154,7 +155,7 @@ class Trainer:
                         diff = (old - mb.rows.gen_logprobs.to(self.device)).abs() * mask
                         sums["diff"] += float(diff.sum())
                         maxima["diff"] = max(maxima["diff"], float(diff.max()))
-                    sums["loss"] += float(loss)
+                    sums["loss"] += float(loss.detach())
                     sums["tokens"] += float(mask.sum())
                     sums["clipped"] += float(token_sum(terms.clipped.float(), mask))
                     sums["ratio"] += float(token_sum(terms.ratio, mask))

@@ -1,0 +1,87 @@
+"""Who does what: the generator and trainer ranks of one launch, their meshes and process groups.
+
+split:     ranks [0, g) generate, ranks [g, world) train. Each side gets its own DeviceMesh (FSDP2
+           runs over the trainer mesh; the generator mesh is where tensor parallelism will go), and
+           episodes, weights and control messages each get their own process groups, so one kind
+           of traffic never queues behind another.
+colocated: every rank generates and then trains; one mesh over the world.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+
+@dataclass
+class Roles:
+    """This rank's role and the communication it needs. Meshes are None on ranks outside them."""
+
+    mode: str
+    rank: int
+    generator_ranks: list[int]
+    trainer_ranks: list[int]
+    generator_mesh: DeviceMesh | None
+    trainer_mesh: DeviceMesh | None
+    # all ranks: episodes travel generator -> trainer point to point here
+    episode_group: dist.ProcessGroup | None
+    # all ranks: step-level decisions (stop, errors) broadcast by the first trainer rank
+    control_group: dist.ProcessGroup | None
+    # weight_groups[t] joins trainer_ranks[t] with every generator rank
+    weight_groups: list[dist.ProcessGroup]
+
+    @property
+    def is_generator(self) -> bool:
+        return self.rank in self.generator_ranks
+
+    @property
+    def is_trainer(self) -> bool:
+        return self.rank in self.trainer_ranks
+
+    @property
+    def split(self) -> bool:
+        return self.mode == "split"
+
+    @property
+    def leader(self) -> int:
+        """The rank that logs metrics and writes files: the first trainer rank."""
+        return self.trainer_ranks[0]
+
+
+def build_roles(mode: str, generator_ranks: int, device: torch.device) -> Roles:
+    """Split the launched world (process group already initialised) into roles.
+
+    Every rank calls this with the same arguments; process groups are created in the same order
+    on all ranks, as torch.distributed requires. Layouts are validated with the config, before
+    any process group exists; the checks here guard direct callers.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if mode == "colocated":
+        mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("trainer",))
+        everyone = list(range(world))
+        return Roles(mode, rank, everyone, everyone, mesh, mesh, None, None, [])
+    if mode != "split":
+        raise ValueError(f"unknown parallelism.mode {mode!r}; expected 'split' or 'colocated'")
+    if not 1 <= generator_ranks < world:
+        raise ValueError(
+            f"parallelism.generator_ranks = {generator_ranks} with world size {world}: "
+            f"set it between 1 and {world - 1}"
+        )
+    generators = list(range(generator_ranks))
+    trainers = list(range(generator_ranks, world))
+    generator_group = dist.new_group(generators)
+    trainer_group = dist.new_group(trainers)
+    episode_group = dist.new_group(list(range(world)))
+    control_group = dist.new_group(list(range(world)))
+    weight_groups = [dist.new_group([t, *generators]) for t in trainers]
+    generator_mesh = trainer_mesh = None
+    if rank in generators:
+        generator_mesh = DeviceMesh.from_group(generator_group, device.type, mesh_dim_names=("generator",))
+    else:
+        trainer_mesh = DeviceMesh.from_group(trainer_group, device.type, mesh_dim_names=("trainer",))
+    return Roles(
+        mode, rank, generators, trainers, generator_mesh, trainer_mesh, episode_group, control_group, weight_groups
+    )
