@@ -33,6 +33,7 @@ from grpo.trainer import Trainer
 from grpo.transport import exchange_episodes
 from grpo.weight_sync import WeightSync
 from model import ModelArgs, Transformer
+from model.hf import save_hf
 from rewards import RewardError
 
 
@@ -100,7 +101,7 @@ class Run:
         self.task = ReverseDigitsTask(
             self.tokenizer, cfg.data.digits_min, cfg.data.digits_max, cfg.job.seed, cfg.eval.num_prompts
         )
-        args = builtin_model_args(cfg, self.tokenizer.vocab_size)
+        self.args = args = builtin_model_args(cfg, self.tokenizer.vocab_size)
         self.trainer_group = roles.trainer_mesh.get_group() if roles.trainer_mesh is not None else None
         self.trainer = self.engine = None
         if roles.is_trainer:
@@ -155,6 +156,17 @@ class Run:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter() - start
+
+    def export_hf(self, path: Path) -> None:
+        """Write the fp32 master weights as an HF folder from the first trainer rank. Collective over trainers."""
+        if not self.roles.is_trainer:
+            return
+        weights = ((name, tensor) for name, _, tensor in self.trainer.full_weights(torch.float32))
+        if self.roles.rank == self.roles.leader:
+            save_hf(self.args, weights, path)
+        else:
+            for _ in weights:
+                pass
 
     def collect_episodes(
         self, prompts: list[Prompt], group_size: int, step: int, sampling: SamplingParams | None = None
@@ -295,6 +307,9 @@ def _loop(cfg: Config, job: Run) -> None:
             last_eval = job.evaluate()
             metrics.update(last_eval)
         logger.log(step, metrics)
+        every = cfg.checkpoint.export_hf_every
+        if step == cfg.training.steps or (every and step % every == 0):
+            job.export_hf(Path(cfg.job.output_dir) / "hf" / f"step_{step}")
     if is_leader:
         print(
             f"done: {cfg.training.steps} steps in {time.perf_counter() - start:.0f} s "

@@ -160,8 +160,14 @@ class EvalConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    # write the policy as an HF folder (safetensors + config.json) to <job.output_dir>/hf/step_N every N steps; 0 = only at the end
+    export_hf_every: int = 0
+
+
+@dataclass
 class MetricsConfig:
-    # one line per step on rank 0
+    # one line per step on the first trainer rank
     console: bool = True
 
 
@@ -187,6 +193,8 @@ class Config:
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
     # held-out evaluation
     eval: EvalConfig = field(default_factory=EvalConfig)
+    # HF exports of the policy
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     # where and how metrics are reported
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
@@ -399,6 +407,8 @@ def validate_config(cfg: Config, world_size: int) -> None:
     e = cfg.eval
     _require(e.every >= 0, "eval.every", e.every, "must be >= 0 (0 = only at step 0 and the end)")
     _require(e.num_prompts >= 1, "eval.num_prompts", e.num_prompts, "must be >= 1")
+    every = cfg.checkpoint.export_hf_every
+    _require(every >= 0, "checkpoint.export_hf_every", every, "must be >= 0 (0 = export only at the end)")
 
     prompts = d.prompts_per_step
     par = cfg.parallelism

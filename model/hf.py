@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -121,14 +122,21 @@ def from_hf(
 
 def to_hf(model: Transformer, path: str | Path, max_shard_bytes: int = 5 * 2**30) -> None:
     """Write `model` as an HF checkpoint folder (config.json + safetensors) that transformers loads."""
+    save_hf(model.args, model.state_dict().items(), path, max_shard_bytes)
+
+
+def save_hf(
+    args: ModelArgs,
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    path: str | Path,
+    max_shard_bytes: int = 5 * 2**30,
+) -> None:
+    """Write native-named tensors as an HF checkpoint folder; the dtype of the first tensor is recorded."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    config = model.args.to_hf_config()
-    config["torch_dtype"] = str(model.tok_embeddings.weight.dtype).removeprefix("torch.")
-    (path / "config.json").write_text(json.dumps(config, indent=2))
     shards: list[dict[str, torch.Tensor]] = [{}]
     shard_bytes = 0
-    for native_key, tensor in model.state_dict().items():
+    for native_key, tensor in named_tensors:
         tensor = tensor.detach().to("cpu").contiguous()
         size = tensor.numel() * tensor.element_size()
         if shards[-1] and shard_bytes + size > max_shard_bytes:
@@ -136,6 +144,9 @@ def to_hf(model: Transformer, path: str | Path, max_shard_bytes: int = 5 * 2**30
             shard_bytes = 0
         shards[-1][native_to_hf_key(native_key)] = tensor
         shard_bytes += size
+    config = args.to_hf_config()
+    config["torch_dtype"] = str(next(iter(shards[0].values())).dtype).removeprefix("torch.")
+    (path / "config.json").write_text(json.dumps(config, indent=2))
     if len(shards) == 1:
         save_file(shards[0], str(path / "model.safetensors"), metadata={"format": "pt"})
         return
