@@ -23,8 +23,8 @@ class RewardError(ValueError):
     pass
 
 
-def reverse_digits(prompt: str, completion: str, answer: str, metadata: dict) -> float:
-    """The built-in task: write the prompt's digits in reverse order.
+def digit_match(prompt: str, completion: str, answer: str, metadata: dict) -> float:
+    """The built-in digit tasks' reward: positional agreement with the reference answer.
 
     Partial credit per position: the reward is the number of positions where completion and
     answer agree, divided by max(len(answer), len(completion)), so it lies in [0, 1] and an
@@ -40,7 +40,7 @@ def reverse_digits(prompt: str, completion: str, answer: str, metadata: dict) ->
     return matches / length if length else 0.0
 
 
-REWARDS: dict[str, RewardFn] = {"reverse_digits": reverse_digits}
+REWARDS: dict[str, RewardFn] = {"digit_match": digit_match}
 
 
 def load_reward(spec: str) -> RewardFn:

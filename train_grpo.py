@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from grpo.config import Config, ConfigError, load_config, write_resolved_config
-from grpo.data import CharTokenizer, Prompt, ReverseDigitsTask
+from grpo.data import CharTokenizer, DigitTask, Prompt
 from grpo.engine import NativeEngine, SamplingParams
 from grpo.episode import EpisodeBatch
 from grpo.metrics import MetricsLogger
@@ -98,8 +98,8 @@ class Run:
         self.cfg, self.device, self.roles, self.scorer = cfg, device, roles, scorer
         self.dtype = compute_dtype(cfg, device)
         self.tokenizer = CharTokenizer()
-        self.task = ReverseDigitsTask(
-            self.tokenizer, cfg.data.digits_min, cfg.data.digits_max, cfg.job.seed, cfg.eval.num_prompts
+        self.task = DigitTask(
+            cfg.data.task, self.tokenizer, cfg.data.digits_min, cfg.data.digits_max, cfg.job.seed, cfg.eval.num_prompts
         )
         self.args = args = builtin_model_args(cfg, self.tokenizer.vocab_size)
         self.trainer_group = roles.trainer_mesh.get_group() if roles.trainer_mesh is not None else None

@@ -65,20 +65,20 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    # built-in task: prompt is a digit string, answer its reversal
-    task: str = "reverse_digits"
+    # built-in task on random digit strings: "copy_digits" (answer = the digits) | "reverse_digits" (their reversal)
+    task: str = "copy_digits"
     # prompts in one RL step (each sampled grpo.group_size times)
     prompts_per_step: int = 16
     # shortest digit string of the built-in task
-    digits_min: int = 3
+    digits_min: int = 4
     # longest digit string of the built-in task
-    digits_max: int = 5
+    digits_max: int = 4
 
 
 @dataclass
 class GenerationConfig:
     # completion length cap; longer completions are cut with finish reason "length"
-    max_new_tokens: int = 8
+    max_new_tokens: int = 4
     # sampling temperature; 0 = greedy
     temperature: float = 1.0
     # nucleus sampling mass; 1.0 = off
@@ -101,12 +101,14 @@ class GRPOConfig:
     num_iterations: int = 1
     # optimizer steps per pass; must divide data.prompts_per_step (groups are never split)
     minibatches: int = 1
+    # weight of the mean per-token entropy subtracted from the loss (0 = off)
+    entropy_coef: float = 0.0
 
 
 @dataclass
 class RewardsConfig:
     # built-in names or "module:function"
-    functions: list[str] = field(default_factory=lambda: ["reverse_digits"])
+    functions: list[str] = field(default_factory=lambda: ["digit_match"])
     # one per function
     weights: list[float] = field(default_factory=lambda: [1.0])
     # per call; a reward call past this stops the run with an error naming the function
@@ -136,7 +138,7 @@ class OptimizerConfig:
 @dataclass
 class TrainingConfig:
     # RL steps: one batch of data.prompts_per_step x grpo.group_size episodes, used for grpo.num_iterations passes, then synced
-    steps: int = 60
+    steps: int = 100
     # episodes per forward/backward on each trainer rank
     micro_batch_size: int = 64
 
@@ -144,7 +146,7 @@ class TrainingConfig:
 @dataclass
 class ParallelismConfig:
     # "split" (generator ranks + trainer ranks) | "colocated" (every rank generates, then trains)
-    mode: str = "colocated"
+    mode: str = "split"
     # split mode: number of generator ranks; the rest train
     generator_ranks: int = 1
     # split mode: size of one weight-sync bucket (MiB); no rank holds more than one beyond its own shard
@@ -210,7 +212,7 @@ _ALL_KEYS = [f"{section}.{key}" for section, keys in _TYPES.items() for key in k
 _CHOICES = {
     "job.device": ("auto", "cpu", "cuda"),
     "model.dtype": ("auto", "bfloat16", "float32"),
-    "data.task": ("reverse_digits",),
+    "data.task": ("copy_digits", "reverse_digits"),
     "parallelism.mode": ("split", "colocated"),
 }
 
@@ -362,6 +364,12 @@ def validate_config(cfg: Config, world_size: int) -> None:
 
     g = cfg.generation
     _require(g.max_new_tokens >= 1, "generation.max_new_tokens", g.max_new_tokens, "must be >= 1")
+    _require(
+        g.max_new_tokens >= d.digits_max,
+        "generation.max_new_tokens",
+        g.max_new_tokens,
+        f"cannot hold the longest answer of the built-in task (data.digits_max = {d.digits_max})",
+    )
     _require(g.temperature >= 0, "generation.temperature", g.temperature, "must be >= 0 (0 = greedy)")
     _require(0 < g.top_p <= 1, "generation.top_p", g.top_p, "must be in (0, 1] (1 = off)")
     _require(g.top_k >= 0, "generation.top_k", g.top_k, "must be >= 0 (0 = off)")
@@ -406,6 +414,7 @@ def validate_config(cfg: Config, world_size: int) -> None:
 
     e = cfg.eval
     _require(e.every >= 0, "eval.every", e.every, "must be >= 0 (0 = only at step 0 and the end)")
+    _require(p.entropy_coef >= 0, "grpo.entropy_coef", p.entropy_coef, "must be >= 0")
     _require(e.num_prompts >= 1, "eval.num_prompts", e.num_prompts, "must be >= 1")
     every = cfg.checkpoint.export_hf_every
     _require(every >= 0, "checkpoint.export_hf_every", every, "must be >= 0 (0 = export only at the end)")

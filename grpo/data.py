@@ -50,16 +50,21 @@ class CharTokenizer:
         return "".join(self.alphabet[i - 1] for i in ids if i != self.eos_id)
 
 
-class ReverseDigitsTask:
-    """Built-in verifiable task: the prompt is a random digit string, the answer its reversal.
+class DigitTask:
+    """Built-in verifiable tasks on random digit strings: `copy_digits` answers the digits,
+    `reverse_digits` their reversal; rewards.digit_match scores either.
 
     Prompts are `d1 .. dn =`. The held-out set is drawn first from its own seed and every
     training prompt equal to a held-out one is redrawn, so held-out prompts are never trained on.
     Training prompts for step s depend only on (seed, s), so any rank can rebuild any step's batch.
     """
 
-    def __init__(self, tokenizer: CharTokenizer, digits_min: int, digits_max: int, seed: int, num_eval: int):
-        self.tokenizer = tokenizer
+    KINDS = ("copy_digits", "reverse_digits")
+
+    def __init__(self, kind: str, tokenizer: CharTokenizer, digits_min: int, digits_max: int, seed: int, num_eval: int):
+        if kind not in self.KINDS:
+            raise ValueError(f"unknown built-in task {kind!r}; expected one of {', '.join(self.KINDS)}")
+        self.kind, self.tokenizer = kind, tokenizer
         self.digits_min, self.digits_max, self.seed = digits_min, digits_max, seed
         eval_rng = random.Random(f"eval-{seed}")
         eval_texts: list[str] = []
@@ -76,7 +81,8 @@ class ReverseDigitsTask:
 
     def _prompt(self, index: int, digits: str) -> Prompt:
         token_ids = self.tokenizer.encode(digits + "=")
-        return Prompt(index=index, text=digits, answer=digits[::-1], token_ids=token_ids)
+        answer = digits if self.kind == "copy_digits" else digits[::-1]
+        return Prompt(index=index, text=digits, answer=answer, token_ids=token_ids)
 
     def train_prompts(self, step: int, count: int) -> list[Prompt]:
         """The `count` training prompts of RL step `step` (indices step * count + i)."""

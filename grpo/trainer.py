@@ -150,6 +150,8 @@ class Trainer:
                         self.grpo.clip_eps_high,
                     )
                     loss = token_sum(terms.loss, mask) / global_tokens
+                    if self.grpo.entropy_coef:
+                        loss = loss - self.grpo.entropy_coef * token_sum(out.entropy, mask) / global_tokens
                     (loss * self.mesh.size()).backward()
                     if iteration == 0:
                         diff = (old - mb.rows.gen_logprobs.to(self.device)).abs() * mask

@@ -14,11 +14,12 @@ from grpo.config import (
 )
 
 
-def load(*argv: str, world_size: int = 1) -> Config:
+# The default layout is split 1 + 1, so the default world size of these tests is 2.
+def load(*argv: str, world_size: int = 2) -> Config:
     return load_config(list(argv), world_size=world_size)
 
 
-def error(*argv: str, world_size: int = 1) -> str:
+def error(*argv: str, world_size: int = 2) -> str:
     with pytest.raises(ConfigError) as info:
         load(*argv, world_size=world_size)
     message = str(info.value)
@@ -138,7 +139,7 @@ def test_choice():
     message = error("--job.device=gpu")
     assert message == "config key 'job.device' must be one of \"auto\", \"cpu\", \"cuda\"; got \"gpu\""
     assert "parallelism.mode" in error("--parallelism.mode=async")
-    assert "\"reverse_digits\"" in error("--data.task=gsm8k")
+    assert "\"copy_digits\"" in error("--data.task=gsm8k")
 
 
 def test_group_size_one():
@@ -190,10 +191,11 @@ def test_minibatches_must_divide_prompts():
 
 
 def test_colocated_prompts_divisible_by_world_size():
-    message = error(world_size=3)
+    message = error("--parallelism.mode=colocated", world_size=3)
     assert message.startswith("data.prompts_per_step = 16 is not divisible by world size 3")
     assert "--data.prompts_per_step to a multiple of 3, e.g. 15 or 18" in message
-    assert load("--data.prompts_per_step=15", world_size=3).data.prompts_per_step == 15
+    cfg = load("--parallelism.mode=colocated", "--data.prompts_per_step=15", world_size=3)
+    assert cfg.data.prompts_per_step == 15
 
 
 def test_split_needs_two_ranks():
@@ -225,7 +227,7 @@ def test_split_prompts_divisible_by_generator_ranks():
 def test_world_size_from_environment(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "3")
     with pytest.raises(ConfigError, match="world size 3"):
-        load_config([])
+        load_config(["--parallelism.mode=colocated"])
 
 
 def test_resolved_config_round_trip(tmp_path):
@@ -234,7 +236,7 @@ def test_resolved_config_round_trip(tmp_path):
         "--generation.stop=[\"\\n\", \"\\t\\u007f\", \"é\"]",
         "--optimizer.lr=0.1",
         "--optimizer.eps=1e-12",
-        "--rewards.functions=[\"reverse_digits\", \"my_rewards:length_penalty\"]",
+        "--rewards.functions=[\"digit_match\", \"my_rewards:length_penalty\"]",
         "--rewards.weights=[1.0, -0.25]",
         "--job.deterministic=true",
     )

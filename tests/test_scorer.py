@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from grpo.scorer import Scorer
-from rewards import RewardError, load_reward, reverse_digits
+from rewards import RewardError, load_reward, digit_match
 
 FIXTURES = "tests.fixtures.slow_rewards"
 
@@ -25,8 +25,8 @@ FIXTURES = "tests.fixtures.slow_rewards"
         ("12345", "54321", 0.2),  # the prompt echoed back: only the middle digit matches
     ],
 )
-def test_reverse_digits(completion, answer, expected):
-    assert reverse_digits(answer[::-1], completion, answer, {}) == pytest.approx(expected)
+def test_digit_match(completion, answer, expected):
+    assert digit_match(answer[::-1], completion, answer, {}) == pytest.approx(expected)
 
 
 def test_prompt_ignoring_policies_score_at_most_a_tenth():
@@ -41,9 +41,9 @@ def test_prompt_ignoring_policies_score_at_most_a_tenth():
         "empty": lambda p: "",
     }
     for name, policy in policies.items():
-        mean = sum(reverse_digits(p, policy(p), p[::-1], {}) for p in prompts) / len(prompts)
+        mean = sum(digit_match(p, policy(p), p[::-1], {}) for p in prompts) / len(prompts)
         assert mean <= 0.15, f"policy {name!r} scores {mean:.3f} without reading the prompt"
-    assert sum(reverse_digits(p, p[::-1], p[::-1], {}) for p in prompts) == len(prompts)
+    assert sum(digit_match(p, p[::-1], p[::-1], {}) for p in prompts) == len(prompts)
 
 
 def test_scorer_combines_weighted_functions():
@@ -53,7 +53,7 @@ def test_scorer_combines_weighted_functions():
     metadata = [{"score": 1.0}, {"score": 0.5}, {"score": 0.0}, {"score": 2}, {"score": -1.0}]
     expected_digits = [1.0, 0.8, 5 / 6, 0.0, 2 / 3]
     expected_total = [2 * d - 0.5 * m["score"] for d, m in zip(expected_digits, metadata)]
-    functions = ["reverse_digits", f"{FIXTURES}:from_metadata"]
+    functions = ["digit_match", f"{FIXTURES}:from_metadata"]
 
     results = {}
     for num_workers in (2, 0):  # 2 workers: two chunks per function, reassembled in order
@@ -61,9 +61,9 @@ def test_scorer_combines_weighted_functions():
             results[num_workers] = scorer.score(prompts, completions, answers, metadata)
 
     scored = results[2]
-    assert list(scored.per_function) == ["reverse_digits", "from_metadata"]
+    assert list(scored.per_function) == ["digit_match", "from_metadata"]
     assert scored.total.dtype == torch.float32 and scored.total.shape == (5,)
-    torch.testing.assert_close(scored.per_function["reverse_digits"], torch.tensor(expected_digits))
+    torch.testing.assert_close(scored.per_function["digit_match"], torch.tensor(expected_digits))
     torch.testing.assert_close(scored.per_function["from_metadata"], torch.tensor([1.0, 0.5, 0.0, 2.0, -1.0]))
     torch.testing.assert_close(scored.total, torch.tensor(expected_total))
     assert torch.equal(results[0].total, scored.total)
@@ -120,7 +120,7 @@ def test_hanging_function_times_out_and_workers_die():
                                      "'NOT_CALLABLE' is not callable (int)"),
         (f"{FIXTURES}:two_args", f"reward function '{FIXTURES}:two_args': signature (prompt: str, completion: str) "
                                  "-> float does not accept (prompt, completion, answer, metadata)"),
-        ("reverse_digit", "unknown reward function 'reverse_digit'; built-ins: reverse_digits "
+        ("digit_matc", "unknown reward function 'digit_matc'; built-ins: digit_match "
                           "(or give 'module:function')"),
         (":f", "reward function ':f': expected 'module:function'"),
     ],
@@ -129,4 +129,4 @@ def test_bad_spec_fails_at_construction(spec, message):
     with pytest.raises(RewardError, match=f"^{re.escape(message)}$"):
         load_reward(spec)
     with pytest.raises(RewardError, match=f"^{re.escape(message)}$"):
-        Scorer(["reverse_digits", spec], [1.0, 1.0], timeout_s=1.0, num_workers=1)
+        Scorer(["digit_match", spec], [1.0, 1.0], timeout_s=1.0, num_workers=1)
