@@ -72,7 +72,7 @@ class NativeEngine:
 
     Interface: `submit(requests)` queues, `poll()` runs everything queued and returns the finished
     completions, `generate(requests)` does both; `update_weights(buckets, version)` copies new weights
-    into the existing parameters.
+    into the existing parameters; `pause()` / `resume()` hold and release the queue; `close()`.
     """
 
     def __init__(
@@ -102,6 +102,7 @@ class NativeEngine:
         self._params = dict(self.model.named_parameters())
         self._vocab_hash = _mix32(torch.arange(args.vocab_size, device=self.device, dtype=torch.int64))
         self.version = -1
+        self.paused = False
         self._queue: list[tuple[GenerationRequest, SamplingParams]] = []
 
     @torch.no_grad()
@@ -112,15 +113,30 @@ class NativeEngine:
             for name, index, tensor in bucket:
                 if name not in self._params:
                     raise KeyError(f"engine model has no parameter {name!r}")
-                self._params[name][index].copy_(tensor)
+                target = self._params[name][index]
+                if target.shape != tensor.shape:
+                    raise ValueError(
+                        f"weight update for {name!r}{list(index) if index else ''} has shape "
+                        f"{list(tensor.shape)}, the engine holds {list(target.shape)}"
+                    )
+                target.copy_(tensor)
         self.version = version
 
     def submit(self, requests: Iterable[GenerationRequest], sampling: SamplingParams | None = None) -> None:
         """Queue requests, sampled with `sampling` (default: the engine's)."""
         self._queue.extend((r, sampling or self.sampling) for r in requests)
 
+    def pause(self) -> None:
+        """Hold queued requests: poll() returns nothing until resume() (e.g. while weights change)."""
+        self.paused = True
+
+    def resume(self) -> None:
+        self.paused = False
+
     def poll(self) -> list[Completion]:
         """Run every queued request to completion, in order, batching runs of equal sampling params."""
+        if self.paused:
+            return []
         queued, self._queue = self._queue, []
         finished: list[Completion] = []
         start = 0

@@ -89,11 +89,18 @@ class Trainer:
         return tensor.tolist()
 
     def _micro_batches(self, batch: EpisodeBatch) -> list[list[_MicroBatch]]:
-        """Split into `minibatches` minibatches of whole groups, each into packed micro-batches;
-        every rank gets the same number of micro-batches per minibatch (padding with empty ones)."""
-        groups = torch.unique(batch.prompt_index, sorted=True)
+        """Split into `minibatches` minibatches of whole groups, each into packed micro-batches.
+
+        Minibatch m holds the m-th slice of ALL trainer ranks' groups in prompt order, so the
+        minibatches are those of a single process however the groups are spread over ranks. Every
+        rank gets the same number of micro-batches per minibatch (padding with empty ones).
+        """
+        local_groups = torch.unique(batch.prompt_index, sorted=True).tolist()
+        gathered: list[list[int]] = [[] for _ in range(dist.get_world_size(self.group))]
+        dist.all_gather_object(gathered, local_groups, group=self.group)
+        all_groups = torch.tensor(sorted(g for groups in gathered for g in groups), dtype=torch.long)
         minibatches = []
-        for group_ids in torch.tensor_split(groups, self.grpo.minibatches):
+        for group_ids in torch.tensor_split(all_groups, self.grpo.minibatches):
             episodes = torch.isin(batch.prompt_index, group_ids).nonzero().flatten()
             chunks = [episodes[i : i + self.micro_batch_size] for i in range(0, len(episodes), self.micro_batch_size)]
             minibatches.append([_MicroBatch(pack_episodes(batch.select(c))) for c in chunks])
@@ -126,8 +133,11 @@ class Trainer:
         recompute_old = self.grpo.num_iterations > 1 or self.grpo.minibatches > 1
         if recompute_old:
             with torch.no_grad():
-                for mb in (mb for m in minibatches for mb in m if mb.rows is not None):
-                    mb.old_logprobs = self._forward(mb.rows).logprobs
+                # Empty micro-batches run too: every rank must join each FSDP all-gather.
+                for mb in (mb for m in minibatches for mb in m):
+                    logprobs = self._forward(mb.rows).logprobs
+                    if mb.rows is not None:
+                        mb.old_logprobs = logprobs
         sums = dict(loss=0.0, tokens=0.0, clipped=0.0, ratio=0.0, entropy=0.0, diff=0.0)
         maxima = dict(ratio=0.0, diff=0.0)
         grad_norms = []

@@ -1,0 +1,460 @@
+"""Packing, LR schedule and the GRPO update (grpo/packing.py, grpo/trainer.py).
+
+The update is checked against a reference written here from the definition, independent of the
+trainer: one plain full forward per sequence (`model(tokens)`, no packing), log softmax(logits / T)
+at the completion tokens, the clipped surrogate summed over completion tokens and divided by the
+minibatch's completion-token count, optional global-norm clipping, then torch.optim.AdamW. The
+trainer runs (a) in one process with the whole batch in one micro-batch, (b) in one process with
+several micro-batches, (c) on 2 gloo ranks holding different, unevenly sized sets of whole groups.
+
+AdamW's first step is nearly sign(g) and would hide gradient errors, so the optimizer runs with a
+large epsilon (eps = 1 >> |g|): the update lr * g / (|g| + eps) is then close to linear in g.
+"""
+
+from __future__ import annotations
+
+import math
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from grpo.config import GRPOConfig, OptimizerConfig
+from grpo.episode import EpisodeBatch
+from grpo.packing import pack_episodes
+from grpo.trainer import Trainer, lr_factor
+from model import ModelArgs, Transformer
+from tests.dist_utils import abandon_group, run_ranks, single_process_group
+
+V = 40
+ARGS = ModelArgs(vocab_size=V, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=64)
+TEMPERATURE = 0.7
+CLIP_LOW, CLIP_HIGH = 0.2, 0.28
+MAX_NORM = 0.05  # well below the batch's gradient norm: clipping binds
+ATOL = 1e-6
+
+
+def optim_config(max_grad_norm: float = 0.0) -> OptimizerConfig:
+    return OptimizerConfig(
+        lr=0.5, betas=[0.9, 0.99], eps=1.0, weight_decay=0.01, warmup_steps=0, min_lr_ratio=0.1,
+        max_grad_norm=max_grad_norm,
+    )
+
+
+def grpo_config(minibatches: int = 1, num_iterations: int = 1) -> GRPOConfig:
+    return GRPOConfig(group_size=3, clip_eps_low=CLIP_LOW, clip_eps_high=CLIP_HIGH,
+                      num_iterations=num_iterations, minibatches=minibatches)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# ------------------------------------------------------------------------------------------ the batch
+
+# 4 groups x 3 samples; prompt lengths per group, completion lengths per episode (uneven on purpose)
+PROMPT_LENS = [3, 5, 2, 4]
+COMPLETION_LENS = [[2, 1, 3], [4, 2, 6], [7, 5, 3], [1, 6, 2]]
+ADVANTAGES = [[1.2, -0.4, -0.8], [0.5, 0.9, -1.4], [-1.1, 0.3, 0.8], [0.0, 1.3, -1.3]]
+
+
+def make_batch() -> EpisodeBatch:
+    """12 episodes, group by group, right-padded with garbage past each sequence (must be ignored)."""
+    g = torch.Generator().manual_seed(123)
+    n = sum(len(c) for c in COMPLETION_LENS)
+    seq_lens = [PROMPT_LENS[gi] + c for gi, cs in enumerate(COMPLETION_LENS) for c in cs]
+    width = max(seq_lens) + 2
+    tokens = torch.randint(1, V, (n, width), generator=g)  # padding positions hold random ids too
+    gen_logprobs = torch.zeros(n, width)
+    prompt_lens, completion_lens, prompt_index, sample_index, advantages = [], [], [], [], []
+    i = 0
+    for gi, cs in enumerate(COMPLETION_LENS):
+        for s, c in enumerate(cs):
+            p = PROMPT_LENS[gi]
+            gen_logprobs[i, p : p + c] = -torch.rand(c, generator=g) * 3
+            prompt_lens.append(p)
+            completion_lens.append(c)
+            prompt_index.append(10 + gi)
+            sample_index.append(s)
+            advantages.append(ADVANTAGES[gi][s])
+            i += 1
+    return EpisodeBatch(
+        tokens=tokens,
+        prompt_lens=torch.tensor(prompt_lens),
+        completion_lens=torch.tensor(completion_lens),
+        gen_logprobs=gen_logprobs,
+        truncated=torch.zeros(n, dtype=torch.bool),
+        version=torch.zeros(n, dtype=torch.long),
+        prompt_index=torch.tensor(prompt_index),
+        sample_index=torch.tensor(sample_index),
+        rewards=torch.zeros(n),
+        advantages=torch.tensor(advantages),
+    )
+
+
+def episodes_of(batch: EpisodeBatch, groups: list[int]) -> list[int]:
+    return [i for i in range(len(batch)) if int(batch.prompt_index[i]) - 10 in groups]
+
+
+def build_model() -> Transformer:
+    torch.manual_seed(7)
+    model = Transformer(ARGS, dtype=torch.float32)
+    model.init_weights(std=0.1)
+    return model
+
+
+# ------------------------------------------------------------------------------------------ the reference
+
+
+def sequence_logprobs(model: Transformer, batch: EpisodeBatch, i: int) -> torch.Tensor:
+    """log softmax(logits / T) of episode i's completion tokens, from a plain forward of that sequence alone."""
+    p, c = int(batch.prompt_lens[i]), int(batch.completion_lens[i])
+    seq = batch.tokens[i, : p + c]
+    logits = model(seq[None, :-1])[0].float()
+    logprobs = torch.log_softmax(logits / TEMPERATURE, dim=-1)
+    return torch.stack([logprobs[t - 1, seq[t]] for t in range(p, p + c)])
+
+
+def reference_run(batch: EpisodeBatch, minibatch_groups: list[list[int]], num_iterations: int, optim: OptimizerConfig):
+    """The GRPO update from its definition: returns final weights and the logged statistics."""
+    model = build_model()
+    params = dict(model.named_parameters())
+    opt = torch.optim.AdamW(params.values(), lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps,
+                            weight_decay=optim.weight_decay)
+    with torch.no_grad():  # π_old: the policy before the first update, held fixed for all of them
+        old = {i: sequence_logprobs(model, batch, i) for i in range(len(batch))}
+    stats = dict(ratio=0.0, clipped=0.0, tokens=0.0, loss=0.0, diff=0.0, diff_max=0.0, ratio_max=0.0, norms=[])
+    for i in range(len(batch)):
+        p, c = int(batch.prompt_lens[i]), int(batch.completion_lens[i])
+        diff = (old[i] - batch.gen_logprobs[i, p : p + c]).abs()
+        stats["diff"] += float(diff.sum())
+        stats["diff_max"] = max(stats["diff_max"], float(diff.max()))
+    first = True
+    for _ in range(num_iterations):
+        for groups in minibatch_groups:
+            members = episodes_of(batch, groups)
+            n_tokens = sum(int(batch.completion_lens[i]) for i in members)
+            total = 0.0
+            for i in members:
+                lp = sequence_logprobs(model, batch, i)
+                ref_old = lp.detach() if first else old[i]
+                a = float(batch.advantages[i])
+                for t in range(lp.shape[0]):
+                    r = torch.exp(lp[t] - ref_old[t])
+                    clipped_r = torch.clamp(r, 1 - CLIP_LOW, 1 + CLIP_HIGH)
+                    total = total - torch.minimum(r * a, clipped_r * a)
+                    rv = float(r.detach())
+                    stats["ratio"] += rv
+                    stats["ratio_max"] = max(stats["ratio_max"], rv)
+                    stats["clipped"] += (a > 0 and rv > 1 + CLIP_HIGH) or (a < 0 and rv < 1 - CLIP_LOW)
+                    stats["tokens"] += 1
+            loss = total / n_tokens
+            loss.backward()
+            stats["loss"] += float(loss.detach())
+            norm = math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in params.values()))
+            stats["norms"].append(norm)
+            if optim.max_grad_norm > 0 and norm > optim.max_grad_norm:
+                for p in params.values():
+                    p.grad.mul_(optim.max_grad_norm / norm)
+            opt.step()
+            opt.zero_grad()
+            first = False
+    weights = {n: p.detach().clone() for n, p in params.items()}
+    return weights, stats
+
+
+# ------------------------------------------------------------------------------------------ trainer runs
+
+
+def run_trainer(
+    batch: EpisodeBatch, world: int, micro_batch_size: int, optim: OptimizerConfig, grpo: GRPOConfig,
+    timeout_s: float | None = None,
+):
+    """Trainer.train on this rank's batch; (full weights after the step, metrics). Collective.
+
+    timeout_s: run on a fresh group whose collectives fail after that long (instead of hanging)."""
+    if timeout_s is None:
+        mesh = init_device_mesh("cpu", (world,))
+    else:
+        group = dist.new_group(list(range(world)), timeout=timedelta(seconds=timeout_s))
+        mesh = DeviceMesh.from_group(group, "cpu")
+    trainer = Trainer(build_model(), mesh, torch.device("cpu"), torch.float32, grpo, optim, total_steps=10,
+                      micro_batch_size=micro_batch_size, temperature=TEMPERATURE)
+    metrics = trainer.train(batch)
+    weights = {}
+    for name, param in trainer.model.named_parameters():
+        full = param.full_tensor() if isinstance(param, DTensor) else param
+        weights[name] = full.detach().clone()
+    return weights, metrics
+
+
+# rank -> groups: rank 0 holds one short group (6 completion tokens, 2 micro-batches of <= 2 episodes),
+# rank 1 three (36 tokens, 5 micro-batches): rank 0 pads with empty micro-batches
+UNEVEN = [[0], [1, 2, 3]]
+# two groups each: the same number of micro-batches per rank, different token counts (18 vs 24)
+EVEN = [[0, 1], [2, 3]]
+DIST_SCENARIOS = {
+    "noclip": dict(optim=dict(), grpo=dict(), split=UNEVEN),
+    "clip": dict(optim=dict(max_grad_norm=MAX_NORM), grpo=dict(), split=UNEVEN),
+    "iters2_even": dict(optim=dict(), grpo=dict(num_iterations=2), split=EVEN),
+    # two minibatches of whole groups, the ranks holding contiguous halves (split mode assigns groups to
+    # trainer ranks by token load, grpo/transport.py assign_groups, so any assignment can occur)
+    "minibatches2": dict(optim=dict(), grpo=dict(minibatches=2), split=EVEN),
+    # last, on a group with a short collective timeout: mismatched collectives fail instead of hanging,
+    # which may leave the process group unusable
+    "iters2_uneven": dict(optim=dict(), grpo=dict(num_iterations=2), split=UNEVEN, timeout_s=5.0),
+}
+
+
+def _dist_worker(rank: int, world: int):
+    batch = make_batch()
+    results = {}
+    for name, sc in DIST_SCENARIOS.items():
+        local = batch.select(episodes_of(batch, sc["split"][rank]))
+        try:
+            results[name] = run_trainer(local, world, 2, optim_config(**sc["optim"]), grpo_config(**sc["grpo"]),
+                                        timeout_s=sc.get("timeout_s"))
+        except Exception as exc:  # recorded; the test of that scenario reports it
+            results[name] = f"{type(exc).__name__}: {exc}"
+            abandon_group()
+            break
+    return results
+
+
+@pytest.fixture(scope="module")
+def dist_results(tmp_path_factory):
+    return run_ranks(_dist_worker, 2, tmp_path_factory.mktemp("trainer_dist"))
+
+
+def rank_result(rank_results: dict, scenario: str):
+    result = rank_results.get(scenario, "not run: an earlier scenario broke the process group")
+    if isinstance(result, str):
+        pytest.fail(f"2-rank scenario {scenario!r} failed: {result}")
+    return result
+
+
+@pytest.fixture(scope="module")
+def single():
+    """Single-process trainer runs, keyed by (micro_batch_size, max_grad_norm, minibatches, num_iterations)."""
+    batch = make_batch()
+    out = {}
+    with single_process_group():
+        for mbs, norm, mb, iters in [(1000, 0.0, 1, 1), (2, 0.0, 1, 1), (1000, MAX_NORM, 1, 1), (2, MAX_NORM, 1, 1),
+                                     (2, 0.0, 2, 2), (1000, 0.0, 2, 1)]:
+            out[(mbs, norm, mb, iters)] = run_trainer(batch, 1, mbs, optim_config(norm), grpo_config(mb, iters))
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference():
+    batch = make_batch()
+    all_groups = [[0, 1, 2, 3]]
+    return {
+        "noclip": reference_run(batch, all_groups, 1, optim_config()),
+        "clip": reference_run(batch, all_groups, 1, optim_config(MAX_NORM)),
+        "iters2": reference_run(batch, all_groups, 2, optim_config()),
+        "mb2_iters2": reference_run(batch, [[0, 1], [2, 3]], 2, optim_config()),
+        "mb2": reference_run(batch, [[0, 1], [2, 3]], 1, optim_config()),
+    }
+
+
+def assert_weights_close(got: dict, want: dict, initial: dict | None = None):
+    assert got.keys() == want.keys()
+    for name, w in want.items():
+        torch.testing.assert_close(got[name], w, atol=ATOL, rtol=0, msg=lambda m: f"{name}: {m}")
+    if initial is not None:
+        # the step is large compared with the tolerance, so a wrong gradient cannot hide in it
+        moved = max(float((want[n] - initial[n]).abs().max()) for n in want)
+        assert moved > 1000 * ATOL
+
+
+def initial_weights():
+    return {n: p.detach().clone() for n, p in build_model().named_parameters()}
+
+
+def check_metrics(metrics: dict, stats: dict, updates: int, exact_ratio: bool = False):
+    assert metrics["loss/ratio_mean"] == pytest.approx(stats["ratio"] / stats["tokens"], rel=1e-5)
+    if exact_ratio:
+        assert metrics["loss/ratio_mean"] == 1.0 and metrics["loss/ratio_max"] == 1.0
+    assert metrics["loss/ratio_max"] == pytest.approx(stats["ratio_max"], rel=1e-5)
+    assert metrics["loss/clip_frac"] == pytest.approx(stats["clipped"] / stats["tokens"], abs=1e-9)
+    assert metrics["loss/policy"] == pytest.approx(stats["loss"] / updates, rel=1e-5, abs=1e-7)
+    assert metrics["loss/grad_norm"] == pytest.approx(sum(stats["norms"]) / updates, rel=1e-5)
+    first_pass_tokens = sum(sum(c) for c in COMPLETION_LENS)
+    assert metrics["logprob_diff/mean"] == pytest.approx(stats["diff"] / first_pass_tokens, rel=1e-5)
+    assert metrics["logprob_diff/max"] == pytest.approx(stats["diff_max"], rel=1e-5)
+    assert metrics["optimizer/lr"] == pytest.approx(0.5)
+
+
+# ------------------------------------------------------------------------------------------ packing
+
+
+def _episode_batch(prompts: list[list[int]], completions: list[list[int]], advantages: list[float]) -> EpisodeBatch:
+    n = len(prompts)
+    width = max(len(p) + len(c) for p, c in zip(prompts, completions))
+    tokens = torch.full((n, width), 99, dtype=torch.long)
+    gen = torch.zeros(n, width)
+    for i, (p, c) in enumerate(zip(prompts, completions)):
+        tokens[i, : len(p) + len(c)] = torch.tensor(p + c)
+        for t in range(len(p), len(p) + len(c)):
+            gen[i, t] = -(i + 1) - 0.1 * t
+    return EpisodeBatch(
+        tokens=tokens, prompt_lens=torch.tensor([len(p) for p in prompts]),
+        completion_lens=torch.tensor([len(c) for c in completions]), gen_logprobs=gen,
+        truncated=torch.zeros(n, dtype=torch.bool), version=torch.zeros(n, dtype=torch.long),
+        prompt_index=torch.tensor([0, 0, 1, 1]), sample_index=torch.tensor([0, 1, 0, 1]),
+        rewards=torch.zeros(n), advantages=torch.tensor(advantages),
+    )
+
+
+def test_pack_episodes_hand_layout():
+    # input lengths (seq_len - 1): A 4, B 2, C 3, D 2 -> width 4; first-fit decreasing: [A] [C .] [B D]
+    batch = _episode_batch(
+        prompts=[[10, 11, 12], [20, 21], [30], [40, 41]],
+        completions=[[13, 14], [22], [31, 32, 33], [42]],
+        advantages=[0.5, -1.0, 2.0, -0.25],
+    )
+    rows = pack_episodes(batch, pad_id=0)
+    assert rows.tokens.tolist() == [[10, 11, 12, 13], [30, 31, 32, 0], [20, 21, 40, 41]]
+    assert rows.targets.tolist() == [[11, 12, 13, 14], [31, 32, 33, 0], [21, 22, 41, 42]]
+    assert rows.positions.tolist() == [[0, 1, 2, 3], [0, 1, 2, 0], [0, 1, 0, 1]]
+    assert rows.doc_ids.tolist() == [[0, 0, 0, 0], [2, 2, 2, -1], [1, 1, 3, 3]]
+    # a target is trained on iff it is a completion token
+    assert rows.loss_mask.tolist() == [[0, 0, 1, 1], [1, 1, 1, 0], [0, 1, 0, 1]]
+    assert rows.advantages.tolist() == [[0.5] * 4, [2.0, 2.0, 2.0, 0.0], [-1.0, -1.0, -0.25, -0.25]]
+    # π_gen's log-prob of each target (episode i, sequence position t: -(i+1) - 0.1 t)
+    expected_gen = [[0, 0, -1.3, -1.4], [-3.1, -3.2, -3.3, 0], [0, -2.2, 0, -4.2]]
+    torch.testing.assert_close(rows.gen_logprobs, torch.tensor(expected_gen), atol=1e-6, rtol=0)
+
+
+def test_pack_episodes_generic_batch():
+    batch = make_batch()
+    rows = pack_episodes(batch, pad_id=0)
+    width = int((batch.seq_lens - 1).max())
+    assert rows.tokens.shape[1] == width and rows.tokens.shape[0] <= len(batch)
+    assert float(rows.loss_mask.sum()) == sum(sum(c) for c in COMPLETION_LENS)
+    seen = set()
+    for r in range(rows.tokens.shape[0]):
+        ids = rows.doc_ids[r].tolist()
+        for i in sorted(set(ids) - {-1}):
+            cols = [c for c, d in enumerate(ids) if d == i]
+            assert cols == list(range(cols[0], cols[0] + len(cols)))  # contiguous
+            seen.add(i)
+            p, c = int(batch.prompt_lens[i]), int(batch.completion_lens[i])
+            seq = batch.tokens[i, : p + c].tolist()
+            assert len(cols) == p + c - 1
+            assert rows.tokens[r, cols].tolist() == seq[:-1]
+            assert rows.targets[r, cols].tolist() == seq[1:]
+            assert rows.positions[r, cols].tolist() == list(range(p + c - 1))
+            assert rows.loss_mask[r, cols].tolist() == [float(t + 1 >= p) for t in range(p + c - 1)]
+            assert rows.advantages[r, cols].tolist() == [float(batch.advantages[i])] * len(cols)
+            assert rows.gen_logprobs[r, cols].tolist() == batch.gen_logprobs[i, 1 : p + c].tolist()
+        pad = [c for c, d in enumerate(ids) if d == -1]
+        assert all(float(rows.loss_mask[r, c]) == 0.0 and float(rows.advantages[r, c]) == 0.0 for c in pad)
+    assert seen == set(range(len(batch)))
+
+
+def test_select_trims_to_longest_sequence():
+    batch = make_batch()
+    picked = batch.select([0, 1, 2])  # group 0: prompt 3, completions 2, 1, 3 -> width 6
+    assert picked.tokens.shape == (3, 6) and picked.gen_logprobs.shape == (3, 6)
+    assert picked.completion(2) == batch.completion(2)
+
+
+# ------------------------------------------------------------------------------------------ LR schedule
+
+
+def test_lr_factor_warmup_then_cosine():
+    # warmup 4 steps to 1, cosine from step 4 down to 0.1 at step 14
+    cases = {0: 0.25, 1: 0.5, 3: 1.0, 4: 1.0, 9: 0.1 + 0.9 * 0.5, 14: 0.1, 20: 0.1}
+    cases[6] = 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 2 / 10))
+    for step, want in cases.items():
+        assert lr_factor(step, 4, 14, 0.1) == pytest.approx(want, abs=1e-12), step
+    assert lr_factor(0, 0, 10, 0.0) == pytest.approx(1.0)
+    assert lr_factor(5, 0, 10, 0.0) == pytest.approx(0.5)
+
+
+# ------------------------------------------------------------------------------------------ the update
+
+
+def test_single_process_whole_batch_matches_reference(single, reference):
+    weights, stats = reference["noclip"]
+    got, metrics = single[(1000, 0.0, 1, 1)]
+    assert_weights_close(got, weights, initial_weights())
+    check_metrics(metrics, stats, updates=1, exact_ratio=True)
+    assert stats["norms"][0] > 2 * MAX_NORM  # so the clipped runs really clip
+
+
+def test_single_process_micro_batches_match_reference(single, reference):
+    weights, stats = reference["noclip"]
+    got, metrics = single[(2, 0.0, 1, 1)]
+    assert_weights_close(got, weights)
+    check_metrics(metrics, stats, updates=1, exact_ratio=True)
+
+
+def test_single_process_clipped_matches_reference(single, reference):
+    weights, stats = reference["clip"]
+    for mbs in (1000, 2):
+        got, metrics = single[(mbs, MAX_NORM, 1, 1)]
+        assert_weights_close(got, weights, initial_weights())
+        check_metrics(metrics, stats, updates=1, exact_ratio=True)
+    # clipping changed the step by far more than the tolerance
+    noclip = reference["noclip"][0]
+    assert max(float((weights[n] - noclip[n]).abs().max()) for n in weights) > 100 * ATOL
+
+
+def test_two_ranks_match_single_process_reference(dist_results, reference):
+    for scenario in ("noclip", "clip"):
+        weights, stats = reference[scenario]
+        for rank_results in dist_results:
+            got, metrics = rank_result(rank_results, scenario)
+            assert_weights_close(got, weights, initial_weights())
+            check_metrics(metrics, stats, updates=1, exact_ratio=True)
+
+
+def test_pi_old_held_fixed_over_minibatches_and_iterations(single, reference):
+    # 2 minibatches x 2 passes = 4 optimizer steps, every ratio against the policy before the first
+    weights, stats = reference["mb2_iters2"]
+    got, metrics = single[(2, 0.0, 2, 2)]
+    assert stats["clipped"] > 0 and abs(stats["ratio"] / stats["tokens"] - 1) > 1e-3  # ratios do move
+    assert_weights_close(got, weights, initial_weights())
+    check_metrics(metrics, stats, updates=4)
+
+
+def test_two_ranks_two_iterations_match_reference(dist_results, reference):
+    weights, stats = reference["iters2"]
+    assert stats["clipped"] > 0
+    for rank_results in dist_results:
+        got, metrics = rank_result(rank_results, "iters2_even")
+        assert_weights_close(got, weights, initial_weights())
+        check_metrics(metrics, stats, updates=2)
+
+
+def test_two_ranks_uneven_micro_batches_with_pi_old_recompute(dist_results, reference):
+    weights, stats = reference["iters2"]
+    for rank_results in dist_results:
+        got, metrics = rank_result(rank_results, "iters2_uneven")
+        assert_weights_close(got, weights, initial_weights())
+        check_metrics(metrics, stats, updates=2)
+
+
+def test_single_process_minibatches_match_reference(single, reference):
+    weights, stats = reference["mb2"]
+    got, metrics = single[(1000, 0.0, 2, 1)]
+    assert_weights_close(got, weights, initial_weights())
+    check_metrics(metrics, stats, updates=2)
+
+
+def test_two_ranks_minibatches_match_single_process(dist_results, reference):
+    weights, stats = reference["mb2"]
+    for rank_results in dist_results:
+        got, metrics = rank_result(rank_results, "minibatches2")
+        assert_weights_close(got, weights, initial_weights())
+        check_metrics(metrics, stats, updates=2)
