@@ -1,0 +1,145 @@
+"""Weight sync, trainer -> generator, in memory vs through a file, in one run.
+
+    torchrun --nproc_per_node=2 bench/weight_sync.py                  # 1 generator GPU + 1 trainer GPU
+    torchrun --nproc_per_node=3 bench/weight_sync.py --generators 1   # 1 generator + 2 trainers
+
+The model is Qwen3-0.6B-shaped with random weights (fp32 masters sharded by FSDP2 on the trainer
+ranks, a bf16 engine on the generator ranks). In-memory: grpo.weight_sync.WeightSync, bucketed
+broadcasts over NCCL. Baseline: the trainers gather the bf16 weights, the first writes them as
+safetensors, the generators read them back and copy them into the engine. Prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from grpo.engine import NativeEngine, SamplingParams  # noqa: E402
+from grpo.roles import build_roles  # noqa: E402
+from grpo.weight_sync import WeightSync  # noqa: E402
+from model import ModelArgs, Transformer  # noqa: E402
+from model.parallelize import parallelize  # noqa: E402
+
+QWEN3_0_6B = ModelArgs(
+    arch="qwen3", vocab_size=151936, dim=1024, n_layers=28, n_heads=16, n_kv_heads=8, head_dim=128,
+    ffn_dim=3072, rope_theta=1e6, tie_embeddings=True,
+)
+
+
+def timed(fn, device: torch.device, group=None) -> float:
+    dist.barrier(group=group, device_ids=[device.index] if device.type == "cuda" else None)
+    start = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    dist.barrier(group=group, device_ids=[device.index] if device.type == "cuda" else None)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--generators", type=int, default=1)
+    parser.add_argument("--bucket-mb", type=int, default=64)
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--file-reps", type=int, default=3)
+    parser.add_argument("--layers", type=int, default=QWEN3_0_6B.n_layers)
+    opts = parser.parse_args()
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+        dist.init_process_group("cuda:nccl,cpu:gloo", device_id=device)
+    else:
+        dist.init_process_group("gloo")
+    roles = build_roles("split", opts.generators, device)
+    args = ModelArgs(**{**QWEN3_0_6B.__dict__, "n_layers": opts.layers})
+    dtype = torch.bfloat16
+    with torch.device("meta"):
+        shapes = {name: tuple(p.shape) for name, p in Transformer(args).named_parameters()}
+    sync = WeightSync(shapes, roles.trainer_ranks, roles.weight_groups, dtype, device, opts.bucket_mb * 2**20)
+
+    trainer_model = engine = None
+    if roles.is_trainer:
+        torch.manual_seed(0)
+        trainer_model = Transformer(args, dtype=torch.float32, device=device)
+        trainer_model.init_weights()
+        parallelize(trainer_model, roles.trainer_mesh, compute_dtype=dtype)
+        params = dict(trainer_model.named_parameters())
+    else:
+        engine = NativeEngine(args, SamplingParams(1), eos_ids=[0], seed=0, dtype=dtype, device=device)
+
+    def in_memory() -> None:
+        if roles.is_trainer:
+            sync.send(params)
+        else:
+            sync.receive(engine, version=1)
+
+    folder = Path(tempfile.gettempdir()) / f"tandem-bench-{os.environ.get('MASTER_PORT', '0')}"
+
+    def through_file() -> None:
+        # Trainers gather full bf16 tensors (collective), the first writes; generators read and copy.
+        if roles.is_trainer:
+            full = {n: p.full_tensor().to(dtype) for n, p in params.items()}
+            if roles.rank == roles.leader:
+                folder.mkdir(exist_ok=True)
+                save_file({n: t.contiguous() for n, t in full.items()}, str(folder / "model.safetensors"))
+            del full
+        dist.barrier(device_ids=[device.index] if cuda else None)
+        if roles.is_generator:
+            loaded = load_file(str(folder / "model.safetensors"), device=str(device))
+            engine.update_weights([((n, (), t) for n, t in loaded.items())], version=2)
+
+    for _ in range(2):
+        timed(in_memory, device)
+    memory_s = sorted(timed(in_memory, device) for _ in range(opts.reps))
+
+    # The engine must now hold the trainer's fp32 masters cast to bf16, bit for bit: rebuild the
+    # same seeded init on the generator and compare.
+    exact = torch.ones(1)
+    if roles.is_generator:
+        torch.manual_seed(0)
+        reference = Transformer(args, dtype=torch.float32, device=device)
+        reference.init_weights()
+        engine_params = dict(engine.model.named_parameters())
+        exact[0] = float(all(torch.equal(engine_params[n], p.to(dtype)) for n, p in reference.named_parameters()))
+        del reference
+    dist.all_reduce(exact, op=dist.ReduceOp.MIN)
+
+    timed(through_file, device)
+    file_s = sorted(timed(through_file, device) for _ in range(opts.file_reps))
+    result = {
+        "bench": "weight_sync",
+        "params": sum(math.prod(s) for s in shapes.values()),
+        "bytes": sync.total_bytes,
+        "generators": len(roles.generator_ranks),
+        "trainers": len(roles.trainer_ranks),
+        "bucket_mb": opts.bucket_mb,
+        "in_memory_bitwise_exact": bool(exact[0]),
+        "in_memory_s_median": memory_s[len(memory_s) // 2],
+        "in_memory_s_min": memory_s[0],
+        "in_memory_GBps": sync.total_bytes / memory_s[len(memory_s) // 2] / 1e9,
+        "file_s_median": file_s[len(file_s) // 2],
+        "speedup_vs_file": file_s[len(file_s) // 2] / memory_s[len(memory_s) // 2],
+        "device": torch.cuda.get_device_name(device) if cuda else "cpu",
+        "torch": torch.__version__,
+    }
+    if roles.rank == 0:
+        print(json.dumps(result), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
