@@ -43,7 +43,7 @@ class JobConfig:
 
 @dataclass
 class ModelConfig:
-    # HF checkpoint folder (safetensors + config.json); "" builds the tiny model below from scratch
+    # HF checkpoint folder to train from; not supported yet (the built-in tasks use the built-in tokenizer): keep "" to build the model below
     path: str = ""
     # compute dtype: "auto" (bfloat16 on cuda, float32 on cpu) | "bfloat16" | "float32"; master weights are always float32
     dtype: str = "auto"
@@ -348,6 +348,11 @@ def validate_config(cfg: Config, world_size: int) -> None:
             raise ConfigError(f"config key '{key}' must be one of {choices}; got {_toml_value(value)}")
 
     m = cfg.model
+    if m.path:
+        raise ConfigError(
+            f"model.path = {m.path!r}: training from an HF checkpoint is not supported yet (its tokenizer "
+            "and prompt data are not wired in); leave model.path empty to train the built-in model"
+        )
     for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim"):
         _require(getattr(m, name) >= 1, f"model.{name}", getattr(m, name), "must be >= 1")
     kv_why = f"must be a multiple of model.n_kv_heads = {m.n_kv_heads}"

@@ -55,10 +55,10 @@ def test_override_equals_form_and_space_form():
 
 
 def test_bare_string_overrides():
-    cfg = load("--job.output_dir=runs/x", "--job.device", "cpu", "--model.path=/ckpt/qwen3-0.6b")
+    cfg = load("--job.output_dir=runs/x", "--job.device", "cpu", "--data.task=reverse_digits")
     assert cfg.job.output_dir == "runs/x"
     assert cfg.job.device == "cpu"
-    assert cfg.model.path == "/ckpt/qwen3-0.6b"
+    assert cfg.data.task == "reverse_digits"
     # a string key keeps text that would otherwise read as a TOML number
     assert load("--job.output_dir=2024").job.output_dir == "2024"
     cfg = load("--parallelism.mode=split", "--parallelism.generator_ranks=1", world_size=2)
@@ -284,3 +284,14 @@ def test_missing_and_malformed_file(tmp_path):
     path = tmp_path / "bad.toml"
     path.write_text("[grpo\n")
     assert error("--config", str(path)).startswith(f"cannot parse config file {path}")
+
+
+def test_model_path_is_refused_until_supported():
+    assert error("--model.path=/models/qwen3").startswith(
+        "model.path = '/models/qwen3': training from an HF checkpoint is not supported yet"
+    )
+
+
+def test_completion_budget_must_hold_the_answer():
+    message = error("--generation.max_new_tokens=3")
+    assert message.startswith("generation.max_new_tokens = 3 cannot hold the longest answer of the built-in task")
