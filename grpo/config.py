@@ -68,7 +68,7 @@ class DataConfig:
     # built-in task on random digit strings: "copy_digits" (answer = the digits) | "reverse_digits" (their reversal)
     task: str = "copy_digits"
     # prompts in one RL step (each sampled grpo.group_size times)
-    prompts_per_step: int = 16
+    prompts_per_step: int = 32
     # shortest digit string of the built-in task
     digits_min: int = 4
     # longest digit string of the built-in task
@@ -92,7 +92,7 @@ class GenerationConfig:
 @dataclass
 class GRPOConfig:
     # G: samples per prompt
-    group_size: int = 8
+    group_size: int = 16
     # ratio clipped below at 1 - clip_eps_low
     clip_eps_low: float = 0.2
     # ratio clipped above at 1 + clip_eps_high
@@ -138,9 +138,9 @@ class OptimizerConfig:
 @dataclass
 class TrainingConfig:
     # RL steps: one batch of data.prompts_per_step x grpo.group_size episodes, used for grpo.num_iterations passes, then synced
-    steps: int = 100
+    steps: int = 150
     # episodes per forward/backward on each trainer rank
-    micro_batch_size: int = 64
+    micro_batch_size: int = 512
 
 
 @dataclass

@@ -186,12 +186,12 @@ def test_impossible_values_name_the_key(override, key):
 
 
 def test_minibatches_must_divide_prompts():
-    message = error("--grpo.minibatches=3")
+    message = error("--data.prompts_per_step=16", "--grpo.minibatches=3")
     assert "grpo.minibatches = 3" in message and "divisor of 16" in message
 
 
 def test_colocated_prompts_divisible_by_world_size():
-    message = error("--parallelism.mode=colocated", world_size=3)
+    message = error("--parallelism.mode=colocated", "--data.prompts_per_step=16", world_size=3)
     assert message.startswith("data.prompts_per_step = 16 is not divisible by world size 3")
     assert "--data.prompts_per_step to a multiple of 3, e.g. 15 or 18" in message
     cfg = load("--parallelism.mode=colocated", "--data.prompts_per_step=15", world_size=3)
@@ -218,7 +218,9 @@ def test_split_generator_ranks_equal_world_size():
 
 
 def test_split_prompts_divisible_by_generator_ranks():
-    message = error("--parallelism.mode=split", "--parallelism.generator_ranks=3", world_size=8)
+    message = error(
+        "--parallelism.mode=split", "--parallelism.generator_ranks=3", "--data.prompts_per_step=16", world_size=8
+    )
     assert "parallelism.generator_ranks = 3" in message and "e.g. 15 or 18" in message
     # trainer count does not need to divide the prompts
     assert load("--parallelism.mode=split", "--parallelism.generator_ranks=2", world_size=5)
