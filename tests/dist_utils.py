@@ -1,10 +1,13 @@
 """Helpers for tests that need torch.distributed on CPU (gloo): a 1-rank group in the test process,
-and real multi-rank runs in spawned processes whose results come back through files."""
+real multi-rank runs in forked processes whose results come back through files, and a
+one-intra-op-thread scope for the test process."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import socket
+import time
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -16,11 +19,29 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+# Imported once by the fork server, so that each rank starts with them already loaded.
+_PRELOAD = [
+    "torch", "torch.distributed.tensor", "torch.distributed.fsdp", "model", "model.parallelize", "grpo.roles",
+    "grpo.weight_sync", "grpo.transport", "grpo.trainer", "grpo.engine", "grpo.rollout", __name__,
+]
+
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """torch on one intra-op thread for the duration of the block. The tests' matrices are tiny:
+    extra threads only add synchronisation cost (badly so on a busy machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 @contextmanager
@@ -46,14 +67,15 @@ def abandon_group() -> None:
 
 
 def _entry(
-    rank: int, world_size: int, port: int, out_dir: str, fn: Callable[[int, int], Any], timeout_s: float
+    rank: int, world_size: int, port: int, out_dir: str, fn: Callable[[int, int], Any], collective_timeout_s: float
 ) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size)
     )
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=collective_timeout_s))
         result = fn(rank, world_size)
         torch.save(result, Path(out_dir) / f"rank{rank}.pt")
         if _broken:
@@ -65,19 +87,46 @@ def _entry(
         raise
 
 
-def run_ranks(
-    fn: Callable[[int, int], Any], world_size: int, out_dir: str | Path, timeout_s: float = 120.0
-) -> list[Any]:
-    """Run fn(rank, world_size) on world_size spawned gloo ranks; returns each rank's return value.
+def _module_of(fn: Callable) -> str:
+    while hasattr(fn, "func"):  # functools.partial
+        fn = fn.func
+    return fn.__module__
 
-    fn must be a module-level function (it is pickled by reference into the children). timeout_s
-    bounds every collective, so a rank mismatch fails instead of hanging. On failure raises
-    RuntimeError carrying the ranks' tracebacks.
+
+def run_ranks(
+    fn: Callable[[int, int], Any],
+    world_size: int,
+    out_dir: str | Path,
+    timeout_s: float = 90.0,
+    collective_timeout_s: float | None = None,
+) -> list[Any]:
+    """Run fn(rank, world_size) on world_size gloo ranks; returns each rank's return value (through files).
+
+    fn must be a module-level function or a functools.partial of one (it is pickled by reference into
+    the ranks). Every collective of the default group times out after collective_timeout_s (default
+    timeout_s / 2), so a rank mismatch fails instead of hanging, and the whole run is killed after
+    timeout_s. On failure raises RuntimeError carrying the failing ranks' tracebacks.
     """
     out_dir = Path(out_dir)
+    if collective_timeout_s is None:
+        collective_timeout_s = timeout_s / 2
+    # A fork server that has imported torch and the code under test once starts ranks in a fraction
+    # of a second; fresh "spawn" interpreters each re-import torch (seconds apiece on 2 cores). The
+    # preload list only counts when the server starts (the first run of the session).
+    multiprocessing.set_forkserver_preload([*_PRELOAD, _module_of(fn)])
+    context = mp.start_processes(
+        _entry, args=(world_size, free_port(), str(out_dir), fn, collective_timeout_s),
+        nprocs=world_size, join=False, start_method="forkserver",
+    )
+    deadline = time.monotonic() + timeout_s
     try:
-        mp.spawn(_entry, args=(world_size, free_port(), str(out_dir), fn, timeout_s), nprocs=world_size, join=True)
+        while not context.join(timeout=max(0.1, deadline - time.monotonic())):
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"ranks still running after {timeout_s} s (hang?)")
     except Exception as exc:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
         errors = "\n".join(p.read_text() for p in sorted(out_dir.glob("*.error")))
         raise RuntimeError(f"distributed run failed: {exc}\n{errors}") from exc
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world_size)]

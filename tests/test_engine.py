@@ -10,6 +10,7 @@ import torch
 
 from grpo.engine import GenerationRequest, NativeEngine, SamplingParams
 from model import ModelArgs, Transformer
+from tests.dist_utils import one_thread
 
 V = 48
 ARGS = ModelArgs(vocab_size=V, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=64)
@@ -18,11 +19,8 @@ EOS = V - 1
 
 @pytest.fixture(scope="module", autouse=True)
 def _one_thread():
-    """Tiny matrices: intra-op threads only add synchronisation cost (badly so on a busy machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with one_thread():
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -7,18 +7,11 @@ computed here in the test process.
 
 from __future__ import annotations
 
-import os
-import socket
-import time
-import traceback
-from pathlib import Path
-
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from model import ModelArgs, Transformer
+from tests.dist_utils import run_ranks
 
 WORLD_SIZE = 2
 TIMEOUT_S = 300
@@ -114,44 +107,17 @@ SCENARIOS = {
 }
 
 
-def _worker(rank: int, port: int, out_dir: str):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD_SIZE))
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE)
-        results = {}
-        for name, (dtype, ac) in SCENARIOS.items():
-            grads, params, info = _distributed_step(rank, dtype, ac)
-            results[name] = {"grads": grads, "params": params, "info": info}
-        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
-        dist.barrier()
-        dist.destroy_process_group()
-    except BaseException:
-        (Path(out_dir) / f"rank{rank}.error").write_text(traceback.format_exc())
-        raise
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _worker(rank: int, world_size: int) -> dict:
+    results = {}
+    for name, (dtype, ac) in SCENARIOS.items():
+        grads, params, info = _distributed_step(rank, dtype, ac)
+        results[name] = {"grads": grads, "params": params, "info": info}
+    return results
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    out_dir = tmp_path_factory.mktemp("fsdp")
-    context = mp.spawn(_worker, args=(_free_port(), str(out_dir)), nprocs=WORLD_SIZE, join=False)
-    deadline = time.monotonic() + TIMEOUT_S
-    try:
-        while not context.join(timeout=1):
-            if time.monotonic() > deadline:
-                for process in context.processes:
-                    process.kill()
-                pytest.fail(f"distributed run did not finish within {TIMEOUT_S} s")
-    except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:
-        errors = "\n".join(p.read_text() for p in sorted(out_dir.glob("*.error")))
-        pytest.fail(f"distributed run failed: {exc}\n{errors}")
-    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(WORLD_SIZE)]
+    return run_ranks(_worker, WORLD_SIZE, tmp_path_factory.mktemp("fsdp"), timeout_s=TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")

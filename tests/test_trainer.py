@@ -27,7 +27,7 @@ from grpo.episode import EpisodeBatch
 from grpo.packing import pack_episodes
 from grpo.trainer import Trainer, lr_factor
 from model import ModelArgs, Transformer
-from tests.dist_utils import abandon_group, run_ranks, single_process_group
+from tests.dist_utils import abandon_group, one_thread, run_ranks, single_process_group
 
 V = 40
 ARGS = ModelArgs(vocab_size=V, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=64)
@@ -51,10 +51,8 @@ def grpo_config(minibatches: int = 1, num_iterations: int = 1) -> GRPOConfig:
 
 @pytest.fixture(scope="module", autouse=True)
 def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with one_thread():
+        yield
 
 
 # ------------------------------------------------------------------------------------------ the batch
@@ -230,7 +228,7 @@ def _dist_worker(rank: int, world: int):
 
 @pytest.fixture(scope="module")
 def dist_results(tmp_path_factory):
-    return run_ranks(_dist_worker, 2, tmp_path_factory.mktemp("trainer_dist"))
+    return run_ranks(_dist_worker, 2, tmp_path_factory.mktemp("trainer_dist"), timeout_s=240.0)
 
 
 def rank_result(rank_results: dict, scenario: str):

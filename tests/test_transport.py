@@ -11,18 +11,13 @@ from __future__ import annotations
 
 import functools
 import math
-import multiprocessing
-import os
 import random
-import time
 import traceback
 from datetime import timedelta
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.device_mesh import DeviceMesh
 
 from grpo.config import GRPOConfig, OptimizerConfig
@@ -33,64 +28,17 @@ from grpo.rollout import episodes_from_completions
 from grpo.trainer import Trainer
 from grpo.transport import assign_groups, exchange_episodes
 from model import ModelArgs, Transformer
-from tests.dist_utils import free_port
+from tests.dist_utils import one_thread, run_ranks
 
 V = 11
 PAD = 0
 GROUP_SIZE = 3
 
-# ------------------------------------------------------------------------------ process helpers
-
-_PRELOAD = ["torch", "torch.distributed.tensor", "torch.distributed.fsdp", "model", "grpo.roles", "grpo.weight_sync",
-            "grpo.transport", "grpo.trainer", "grpo.engine", "grpo.rollout", "tests.dist_utils", __name__]
-
-
-def _entry(rank: int, world_size: int, port: int, out_dir: str, fn, collective_timeout_s: float) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=collective_timeout_s))
-        result = fn(rank, world_size)
-        torch.save(result, Path(out_dir) / f"rank{rank}.pt")
-        dist.barrier()
-        dist.destroy_process_group()
-    except BaseException:
-        (Path(out_dir) / f"rank{rank}.error").write_text(traceback.format_exc())
-        raise
-
-
-def spawn(fn, world_size: int, out_dir: Path, timeout_s: float = 90.0) -> list:
-    """Run fn(rank, world_size) on world_size gloo processes; returns each rank's result (through
-    files). A rank's traceback is raised here; collectives time out and the whole run is killed
-    after timeout_s, so a hang fails the test instead of blocking it."""
-    # A fork server that has imported torch and the code under test once starts ranks in a fraction
-    # of a second; fresh "spawn" interpreters each re-import torch (seconds apiece on 2 cores).
-    multiprocessing.set_forkserver_preload(_PRELOAD)
-    context = mp.start_processes(
-        _entry, args=(world_size, free_port(), str(out_dir), fn, timeout_s / 2),
-        nprocs=world_size, join=False, start_method="forkserver",
-    )
-    deadline = time.monotonic() + timeout_s
-    try:
-        while not context.join(timeout=max(0.1, deadline - time.monotonic())):
-            if time.monotonic() >= deadline:
-                raise TimeoutError(f"ranks still running after {timeout_s} s (hang?)")
-    except Exception as exc:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-        errors = "\n".join(p.read_text() for p in sorted(out_dir.glob("*.error")))
-        raise RuntimeError(f"distributed run failed: {exc}\n{errors}") from exc
-    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
-
 
 @pytest.fixture(scope="module", autouse=True)
 def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with one_thread():
+        yield
 
 
 # -------------------------------------------------------------------------------- assign_groups
@@ -243,14 +191,14 @@ def _check_exchange(results, specs, generators):
 
 
 def test_exchange_two_generators_two_trainers(tmp_path):
-    results = spawn(functools.partial(_exchange_worker, generators=2, scenarios=[SPECS_2]), 4, tmp_path)
+    results = run_ranks(functools.partial(_exchange_worker, generators=2, scenarios=[SPECS_2]), 4, tmp_path)
     counts = _check_exchange([r[0] for r in results], SPECS_2, generators=2)
     assert sum(counts) == 15 and all(counts)
 
 
 def test_exchange_one_generator_two_trainers(tmp_path):
     scenarios = [SPECS_1, SPECS_1_SMALL]
-    results = spawn(functools.partial(_exchange_worker, generators=1, scenarios=scenarios), 3, tmp_path)
+    results = run_ranks(functools.partial(_exchange_worker, generators=1, scenarios=scenarios), 3, tmp_path)
     counts = _check_exchange([r[0] for r in results], SPECS_1, generators=1)
     assert sum(counts) == 12 and all(counts)
     # a single group: one trainer gets it whole, the other an empty (but well-formed) batch
@@ -329,7 +277,7 @@ def _trainer_worker(rank: int, world_size: int, case_timeout_s: float) -> dict:
 
 @pytest.fixture(scope="module")
 def trainer_runs(tmp_path_factory):
-    return spawn(functools.partial(_trainer_worker, case_timeout_s=10.0), 2, tmp_path_factory.mktemp("trainer"))
+    return run_ranks(functools.partial(_trainer_worker, case_timeout_s=10.0), 2, tmp_path_factory.mktemp("trainer"))
 
 
 def _check_train_case(results, case):

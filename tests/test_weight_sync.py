@@ -14,18 +14,10 @@ from __future__ import annotations
 
 import functools
 import math
-import multiprocessing
-import os
-import time
-import traceback
-from datetime import timedelta
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
@@ -39,7 +31,7 @@ from grpo.trainer import Trainer
 from grpo.weight_sync import WeightSync, intersect, plan_buckets, shard_box
 from model import ModelArgs, Transformer
 from model.parallelize import parallelize
-from tests.dist_utils import free_port, single_process_group
+from tests.dist_utils import one_thread, run_ranks, single_process_group
 
 # Odd sizes everywhere: vocab 13, dim 21, ffn 37 rows split unevenly over 2 trainer ranks.
 ARGS = ModelArgs(vocab_size=13, dim=21, n_layers=3, n_heads=3, n_kv_heads=1, head_dim=6, ffn_dim=37)
@@ -51,54 +43,8 @@ BUCKET_BYTES = (512, 60)
 
 @pytest.fixture(scope="module", autouse=True)
 def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-_PRELOAD = ["torch", "torch.distributed.tensor", "torch.distributed.fsdp", "model", "grpo.roles", "grpo.weight_sync",
-            "grpo.transport", "grpo.trainer", "grpo.engine", "grpo.rollout", "tests.dist_utils", __name__]
-
-
-def _entry(rank: int, world_size: int, port: int, out_dir: str, fn, collective_timeout_s: float) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=collective_timeout_s))
-        result = fn(rank, world_size)
-        torch.save(result, Path(out_dir) / f"rank{rank}.pt")
-        dist.barrier()
-        dist.destroy_process_group()
-    except BaseException:
-        (Path(out_dir) / f"rank{rank}.error").write_text(traceback.format_exc())
-        raise
-
-
-def spawn(fn, world_size: int, out_dir: Path, timeout_s: float = 90.0) -> list:
-    """Run fn(rank, world_size) on world_size gloo processes; returns each rank's result (through
-    files). A rank's traceback is raised here; collectives time out and the whole run is killed
-    after timeout_s, so a hang fails the test instead of blocking it."""
-    # A fork server that has imported torch and the code under test once starts ranks in a fraction
-    # of a second; fresh "spawn" interpreters each re-import torch (seconds apiece on 2 cores).
-    multiprocessing.set_forkserver_preload(_PRELOAD)
-    context = mp.start_processes(
-        _entry, args=(world_size, free_port(), str(out_dir), fn, timeout_s / 2),
-        nprocs=world_size, join=False, start_method="forkserver",
-    )
-    deadline = time.monotonic() + timeout_s
-    try:
-        while not context.join(timeout=max(0.1, deadline - time.monotonic())):
-            if time.monotonic() >= deadline:
-                raise TimeoutError(f"ranks still running after {timeout_s} s (hang?)")
-    except Exception as exc:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-        errors = "\n".join(p.read_text() for p in sorted(out_dir.glob("*.error")))
-        raise RuntimeError(f"distributed run failed: {exc}\n{errors}") from exc
-    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
+    with one_thread():
+        yield
 
 
 # ------------------------------------------------------------------------------------ shard boxes
@@ -377,7 +323,7 @@ def _sync_worker(rank: int, world_size: int, layouts: tuple[int, ...]) -> dict:
 
 @pytest.mark.parametrize("world_size, layouts", [(2, (1,)), (3, (1, 2)), (4, (2,))], ids=["1+1", "1+2,2+1", "2+2"])
 def test_split_sync_is_bitwise_bf16_of_master(tmp_path, world_size, layouts):
-    results = spawn(functools.partial(_sync_worker, layouts=layouts), world_size, tmp_path)
+    results = run_ranks(functools.partial(_sync_worker, layouts=layouts), world_size, tmp_path)
     for generators in layouts:
         per_rank = [r[generators] for r in results]
         roles = [r["role"] for r in per_rank]
