@@ -51,7 +51,7 @@ def timed(fn, device: torch.device, group=None) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--generators", type=int, default=1)
-    parser.add_argument("--bucket-mb", type=int, default=64)
+    parser.add_argument("--bucket-mb", type=int, default=256)
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--file-reps", type=int, default=3)
     parser.add_argument("--layers", type=int, default=QWEN3_0_6B.n_layers)

@@ -150,7 +150,7 @@ class ParallelismConfig:
     # split mode: number of generator ranks; the rest train
     generator_ranks: int = 1
     # split mode: size of one weight-sync bucket (MiB); no rank holds more than one beyond its own shard
-    weight_bucket_mb: int = 64
+    weight_bucket_mb: int = 256
 
 
 @dataclass
