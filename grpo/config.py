@@ -103,6 +103,40 @@ class GRPOConfig:
     minibatches: int = 1
     # weight of the mean per-token entropy subtracted from the loss (0 = off)
     entropy_coef: float = 0.0
+    # loss aggregation preset: "grpo" | "dapo" | "dr_grpo" | "bnpo" | "gspo" (README: formulas and papers)
+    loss_type: str = "dapo"
+    # dual clip for negative advantages: the per-token loss is capped at -clip_ratio_c * A (0 = off; > 1 when on)
+    clip_ratio_c: float = 0.0
+    # gspo only: the sequence ratio is clipped below at 1 - gspo_clip_eps_low
+    gspo_clip_eps_low: float = 3e-4
+    # gspo only: the sequence ratio is clipped above at 1 + gspo_clip_eps_high
+    gspo_clip_eps_high: float = 4e-4
+    # weight of the KL penalty to the frozen reference policy (the initial weights); 0 = no reference model
+    kl_coef: float = 0.0
+    # KL estimator per token: "k1" | "k2" | "k3"
+    kl_estimator: str = "k3"
+    # advantage baseline: "mean" (group mean) | "leave_one_out" (RLOO: mean of the other G - 1)
+    baseline: str = "mean"
+    # advantage scale: "group" (group std) | "batch" (std over the whole batch) | "none"
+    scale_rewards: str = "group"
+    # drop groups whose rewards are all equal (they carry no advantage)
+    filter_zero_variance: bool = False
+    # with filter_zero_variance: generate more prompts until data.prompts_per_step groups survive (DAPO)
+    dynamic_sampling: bool = False
+    # dynamic sampling: most generation rounds per step; the step trains on what survived by then
+    dynamic_sampling_max_rounds: int = 4
+    # completions cut by max_new_tokens carry no loss
+    mask_truncated: bool = False
+    # DAPO soft overlong penalty: the last overlong_buffer tokens of the budget cost up to overlong_penalty reward (0 = off)
+    overlong_buffer: int = 0
+    # reward subtracted at the very end of the budget, linearly from 0 at its start
+    overlong_penalty: float = 1.0
+    # truncated importance sampling on pi_old / pi_gen: weights capped at tis_cap (0 = off)
+    tis_cap: float = 0.0
+    # TIS weight per "token" or per "sequence" (product of its tokens' ratios)
+    tis_level: str = "token"
+    # "truncate" caps the weight; "mask" drops tokens (or sequences) whose weight exceeds the cap
+    tis_mode: str = "truncate"
 
 
 @dataclass
@@ -214,6 +248,12 @@ _CHOICES = {
     "model.dtype": ("auto", "bfloat16", "float32"),
     "data.task": ("copy_digits", "reverse_digits"),
     "parallelism.mode": ("split", "colocated"),
+    "grpo.loss_type": ("grpo", "dapo", "dr_grpo", "bnpo", "gspo"),
+    "grpo.kl_estimator": ("k1", "k2", "k3"),
+    "grpo.baseline": ("mean", "leave_one_out"),
+    "grpo.scale_rewards": ("group", "batch", "none"),
+    "grpo.tis_level": ("token", "sequence"),
+    "grpo.tis_mode": ("truncate", "mask"),
 }
 
 
@@ -391,6 +431,33 @@ def validate_config(cfg: Config, world_size: int) -> None:
     _require(p.clip_eps_high >= 0, "grpo.clip_eps_high", p.clip_eps_high, "must be >= 0")
     _require(p.num_iterations >= 1, "grpo.num_iterations", p.num_iterations, "must be >= 1")
     _require(p.minibatches >= 1, "grpo.minibatches", p.minibatches, "must be >= 1")
+    _require(
+        p.clip_ratio_c == 0 or p.clip_ratio_c > 1, "grpo.clip_ratio_c", p.clip_ratio_c, "must be 0 (off) or > 1"
+    )
+    _require(p.gspo_clip_eps_low >= 0, "grpo.gspo_clip_eps_low", p.gspo_clip_eps_low, "must be >= 0")
+    _require(p.gspo_clip_eps_high >= 0, "grpo.gspo_clip_eps_high", p.gspo_clip_eps_high, "must be >= 0")
+    _require(p.kl_coef >= 0, "grpo.kl_coef", p.kl_coef, "must be >= 0")
+    _require(p.tis_cap == 0 or p.tis_cap >= 1, "grpo.tis_cap", p.tis_cap, "must be 0 (off) or >= 1")
+    _require(p.overlong_buffer >= 0, "grpo.overlong_buffer", p.overlong_buffer, "must be >= 0 (0 = off)")
+    _require(
+        p.overlong_buffer <= g.max_new_tokens,
+        "grpo.overlong_buffer",
+        p.overlong_buffer,
+        f"must not exceed generation.max_new_tokens = {g.max_new_tokens}",
+    )
+    _require(p.overlong_penalty >= 0, "grpo.overlong_penalty", p.overlong_penalty, "must be >= 0")
+    _require(
+        not p.dynamic_sampling or p.filter_zero_variance,
+        "grpo.dynamic_sampling",
+        p.dynamic_sampling,
+        "needs grpo.filter_zero_variance = true (it replaces the groups that filter drops)",
+    )
+    _require(
+        p.dynamic_sampling_max_rounds >= 1,
+        "grpo.dynamic_sampling_max_rounds",
+        p.dynamic_sampling_max_rounds,
+        "must be >= 1",
+    )
 
     r = cfg.rewards
     _require(len(r.functions) >= 1, "rewards.functions", r.functions, "must name at least one reward function")

@@ -60,6 +60,9 @@ class DigitTask:
     """
 
     KINDS = ("copy_digits", "reverse_digits")
+    # Prompt indices key sampling noise as 32-bit values: rounds sit 2**27 apart below 2**32
+    # (room for 2**27 prompts per round: steps * prompts_per_step).
+    EXTRA_ROUND_OFFSET = 2**27
 
     def __init__(self, kind: str, tokenizer: CharTokenizer, digits_min: int, digits_max: int, seed: int, num_eval: int):
         if kind not in self.KINDS:
@@ -84,13 +87,18 @@ class DigitTask:
         answer = digits if self.kind == "copy_digits" else digits[::-1]
         return Prompt(index=index, text=digits, answer=answer, token_ids=token_ids)
 
-    def train_prompts(self, step: int, count: int) -> list[Prompt]:
-        """The `count` training prompts of RL step `step` (indices step * count + i)."""
-        rng = random.Random(f"train-{self.seed}-{step}")
+    def train_prompts(self, step: int, count: int, round_index: int = 0) -> list[Prompt]:
+        """The `count` training prompts of RL step `step`, indices step * count + i.
+
+        Round r > 0 (dynamic sampling's extra prompts) draws a fresh set with indices offset by
+        EXTRA_ROUND_OFFSET * r, so they never collide with another round's or step's.
+        """
+        suffix = f"-round{round_index}" if round_index else ""
+        rng = random.Random(f"train-{self.seed}-{step}{suffix}")
         prompts = []
         for i in range(count):
             text = self._draw(rng)
             while text in self._held_out:
                 text = self._draw(rng)
-            prompts.append(self._prompt(step * count + i, text))
+            prompts.append(self._prompt(round_index * self.EXTRA_ROUND_OFFSET + step * count + i, text))
         return prompts

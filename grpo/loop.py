@@ -6,6 +6,7 @@ role (generator, trainer, or both when colocated).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from pathlib import Path
@@ -16,7 +17,7 @@ import torch.distributed as dist
 from grpo.config import Config
 from grpo.data import CharTokenizer, DigitTask, Prompt
 from grpo.engine import NativeEngine, SamplingParams
-from grpo.episode import EpisodeBatch
+from grpo.episode import EpisodeBatch, compute_advantages, overlong_penalty, zero_variance_groups
 from grpo.metrics import MetricsLogger
 from grpo.roles import Roles
 from grpo.rollout import generate_episodes, score_episodes
@@ -61,6 +62,19 @@ def reduce(values: dict[str, float], group: dist.ProcessGroup | None, op=dist.Re
     return dict(zip(values, tensor.tolist()))
 
 
+def concat_episodes(batches: list[EpisodeBatch], pad_id: int) -> EpisodeBatch:
+    """One batch of several (right-padded to the widest), in order."""
+    width = max((b.tokens.shape[1] for b in batches), default=1)
+    pad = lambda t, value: torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value)  # noqa: E731
+    fields = {f.name: torch.cat([getattr(b, f.name) for b in batches]) for f in dataclasses.fields(EpisodeBatch)
+              if f.name not in ("tokens", "gen_logprobs")}
+    return EpisodeBatch(
+        tokens=torch.cat([pad(b.tokens, pad_id) for b in batches]),
+        gen_logprobs=torch.cat([pad(b.gen_logprobs, 0.0) for b in batches]),
+        **fields,
+    )
+
+
 class Run:
     """The components of one job on this rank, built according to its role."""
 
@@ -78,6 +92,11 @@ class Run:
             torch.manual_seed(cfg.job.seed)
             policy = Transformer(args, dtype=torch.float32, device=device)
             policy.init_weights()
+            reference = None
+            if cfg.grpo.kl_coef > 0:
+                # The KL anchor is the policy as it starts: a frozen copy of the initial weights.
+                reference = Transformer(args, dtype=torch.float32, device=device)
+                reference.load_state_dict(policy.state_dict())
             self.trainer = Trainer(
                 policy,
                 roles.trainer_mesh,
@@ -88,8 +107,10 @@ class Run:
                 total_steps=cfg.training.steps,
                 micro_batch_size=cfg.training.micro_batch_size,
                 temperature=cfg.generation.temperature,
+                max_new_tokens=cfg.generation.max_new_tokens,
                 activation_checkpointing=cfg.model.activation_checkpointing,
                 compile=cfg.model.compile,
+                reference=reference,
             )
         gen = cfg.generation
         if roles.is_generator:
@@ -155,37 +176,67 @@ class Run:
             return exchange_episodes(batch, roles, math.ceil(len(prompts) / generators), generate_s)
         return batch, reduce({"t": generate_s}, None, dist.ReduceOp.MAX)["t"]
 
-    def score(self, episodes: EpisodeBatch, prompts: list[Prompt], group_size: int) -> dict[str, float]:
-        """Score on trainer ranks; every rank (generators too) learns whether any trainer failed."""
+    def agree(self, value: float, op=dist.ReduceOp.MAX) -> float:
+        """Reduce a trainer-side value over the trainer ranks and hand the result to every rank."""
+        if not self.roles.split:
+            return reduce({"v": value}, None, op)["v"]
+        if self.roles.is_trainer:
+            value = reduce({"v": value}, self.trainer_group, op)["v"]
+        tensor = torch.tensor([value], dtype=torch.float64)
+        dist.broadcast(tensor, src=self.roles.leader, group=self.roles.control_group)
+        return float(tensor)
+
+    def score(self, episodes: EpisodeBatch, prompts: list[Prompt]) -> dict[str, float]:
+        """Rewards on trainer ranks; every rank (generators too) learns whether any trainer failed."""
         failure = None
         sums: dict[str, float] = {}
         if self.roles.is_trainer:
             try:
-                sums = score_episodes(
-                    self.scorer, episodes, {p.index: p for p in prompts}, self.tokenizer.decode, group_size
-                ).per_function
+                sums = score_episodes(self.scorer, episodes, {p.index: p for p in prompts}, self.tokenizer.decode)
             except RewardError as error:
                 failure = error
-        flag = {"failed": float(failure is not None)}
-        if self.roles.split:
-            if self.roles.is_trainer:
-                flag = reduce(flag, self.trainer_group, dist.ReduceOp.MAX)
-            flag_tensor = torch.tensor([flag["failed"]])
-            dist.broadcast(flag_tensor, src=self.roles.leader, group=self.roles.control_group)
-            flag["failed"] = float(flag_tensor)
-        else:
-            flag = reduce(flag, None, dist.ReduceOp.MAX)
+        failed = self.agree(float(failure is not None))
         if failure is not None:
             raise failure
-        if flag["failed"]:
+        if failed:
             raise RunAborted()
         return sums
+
+    def advantages(self, episodes: EpisodeBatch) -> tuple[EpisodeBatch, int]:
+        """Overlong penalty, advantages and the zero-variance filter on a trainer's episodes.
+        Returns the episodes to train on and the number of groups dropped here."""
+        g, G = self.cfg.grpo, self.cfg.grpo.group_size
+        if g.overlong_buffer:
+            penalty = overlong_penalty(
+                episodes.completion_lens, self.cfg.generation.max_new_tokens, g.overlong_buffer, g.overlong_penalty
+            )
+            episodes.rewards = episodes.rewards + penalty
+        batch_std = None
+        if g.scale_rewards == "batch":
+            r = episodes.rewards.double()
+            s = reduce({"n": float(len(r)), "sum": float(r.sum()), "sq": float((r * r).sum())}, self.trainer_group)
+            mean = s["sum"] / max(s["n"], 1.0)
+            batch_std = math.sqrt(max(s["sq"] - s["n"] * mean * mean, 0.0) / max(s["n"] - 1, 1.0))
+        episodes.advantages = compute_advantages(episodes.rewards, G, g.baseline, g.scale_rewards, batch_std)
+        if not g.filter_zero_variance:
+            return episodes, 0
+        flat = zero_variance_groups(episodes.rewards, G)
+        keep = (~flat).repeat_interleave(G).nonzero().flatten()
+        return episodes.select(keep), int(flat.sum())
+
+    def _first_groups(self, episodes: EpisodeBatch, count: int) -> EpisodeBatch:
+        """Keep, over all trainer ranks together, the `count` groups with the lowest prompt indices."""
+        local = torch.unique(episodes.prompt_index).tolist()
+        gathered: list[list[int]] = [[] for _ in self.roles.trainer_ranks]
+        dist.all_gather_object(gathered, local, group=self.trainer_group)
+        chosen = torch.tensor(sorted(i for ranks in gathered for i in ranks)[:count], dtype=torch.long)
+        return episodes.select(torch.isin(episodes.prompt_index, chosen).nonzero().flatten())
 
     def evaluate(self) -> dict[str, float]:
         """Greedy completions of the held-out prompts, scored on trainer ranks."""
         prompts = self.task.eval_prompts
         episodes, _ = self.collect_episodes(prompts, 1, step=0, sampling=self.greedy)
-        self.score(episodes, prompts, group_size=1)
+        self.score(episodes, prompts)
         if not self.roles.is_trainer:
             return {}
         totals = reduce(
@@ -195,17 +246,54 @@ class Run:
         return {"eval/reward_mean": totals["reward"] / len(prompts), "eval/length_mean": totals["length"] / len(prompts)}
 
     def step(self, step: int) -> dict[str, float]:
-        """One RL step; returns the step's metrics on trainer ranks ({} on generator-only ranks)."""
-        cfg = self.cfg
+        """One RL step; returns the step's metrics on trainer ranks ({} on generator-only ranks).
+
+        With dynamic sampling, generation rounds of fresh prompts repeat until data.prompts_per_step
+        groups survive the zero-variance filter (or the rounds run out); surplus groups of the last
+        round are dropped in prompt order so every step trains on the same number of groups.
+        """
+        cfg, G, target = self.cfg, self.cfg.grpo.group_size, self.cfg.data.prompts_per_step
         start = time.perf_counter()
-        prompts = self.task.train_prompts(step, cfg.data.prompts_per_step)
-        episodes, generate_s = self.collect_episodes(prompts, cfg.grpo.group_size, step)
-        score_start = time.perf_counter()
-        reward_sums = self.score(episodes, prompts, cfg.grpo.group_size)
+        rounds = cfg.grpo.dynamic_sampling_max_rounds if cfg.grpo.dynamic_sampling else 1
+        generated, kept, reward_sums = [], [], {}
+        generate_s = score_s = 0.0
+        filtered = kept_groups = 0
+        for round_index in range(rounds):
+            prompts = self.task.train_prompts(step, target, round_index)
+            episodes, seconds = self.collect_episodes(prompts, G, step)
+            generate_s += seconds
+            score_start = time.perf_counter()
+            for name, total in self.score(episodes, prompts).items():
+                reward_sums[name] = reward_sums.get(name, 0.0) + total
+            if self.roles.is_trainer:
+                generated.append(episodes)
+                episodes, dropped = self.advantages(episodes)
+                filtered += dropped
+                kept.append(episodes)
+            score_s += time.perf_counter() - score_start
+            local_groups = len(kept[-1]) // G if self.roles.is_trainer else 0
+            round_groups = int(self.agree(float(local_groups), dist.ReduceOp.SUM))
+            if cfg.grpo.dynamic_sampling and kept_groups + round_groups > target:
+                if self.roles.is_trainer:
+                    kept[-1] = self._first_groups(kept[-1], target - kept_groups)
+                round_groups = target - kept_groups
+            kept_groups += round_groups
+            if kept_groups >= target:
+                break
         train_start = time.perf_counter()
-        train_metrics = self.trainer.train(episodes) if self.roles.is_trainer else {}
+        train_metrics = {}
+        if self.roles.is_trainer:
+            train_metrics = self.trainer.train(concat_episodes(kept, self.tokenizer.pad_id))
         train_end = time.perf_counter()
         sync_s = self.sync_weights(step)
+        if not self.roles.is_trainer:
+            return {}
+        episodes = concat_episodes(generated, self.tokenizer.pad_id)
+        if cfg.grpo.filter_zero_variance:
+            groups = reduce({"filtered": float(filtered)}, self.trainer_group)
+            train_metrics["grpo/groups_filtered"] = groups["filtered"]
+            train_metrics["grpo/groups_trained"] = float(kept_groups)
+            train_metrics["grpo/generation_rounds"] = float(round_index + 1)
         if not self.roles.is_trainer:
             return {}
         sums = reduce(
@@ -220,7 +308,7 @@ class Run:
             self.trainer_group,
         )
         slowest = reduce(
-            {"score": train_start - score_start, "train": train_end - train_start, "sync": sync_s},
+            {"score": score_s, "train": train_end - train_start, "sync": sync_s},
             self.trainer_group,
             dist.ReduceOp.MAX,
         )

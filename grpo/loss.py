@@ -1,12 +1,17 @@
-"""The GRPO loss as pure functions on per-token tensors [B, T].
+"""The GRPO loss family as pure functions on per-token tensors [B, T] (B rows, T tokens).
 
-Policies (DESIGN.md): π_θ is being optimised, π_old is the trainer's policy before this batch's
-first update, π_gen generated the tokens. The surrogate clips r = π_θ / π_old:
+Policies (DESIGN.md "The three policies"): π_θ is being optimised, π_old is the trainer's policy
+before this batch's first update, π_gen generated the tokens. The surrogate clips r = π_θ / π_old:
 
-    loss_t = -min(r_t * A, clip(r_t, 1 - eps_low, 1 + eps_high) * A)
+    l_t = -min(r_t * A, clip(r_t, 1 - eps_low, 1 + eps_high) * A)
 
-and the batch loss sums loss_t over completion tokens and divides by a normaliser that the caller
-chooses so the gradient is the same however the batch is split into micro-batches and ranks.
+and the π_gen → π_old gap is corrected separately by truncated importance sampling (TIS).
+
+A row may pack several sequences: `seq_ids` [B, T] gives each token's sequence within the
+micro-batch (-1 on padding) and `mask` [B, T] marks the tokens that carry loss. `policy_loss`
+returns a micro-batch's *share* of the minibatch loss; the shares of all micro-batches on all ranks
+sum to the minibatch loss, so its gradient does not depend on how the minibatch is split (bnpo, whose
+loss is defined per micro-batch, is the one exception).
 """
 
 from __future__ import annotations
@@ -14,6 +19,81 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo", "gspo")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+TIS_LEVELS = ("token", "sequence")
+TIS_MODES = ("truncate", "mask")
+
+
+@dataclass
+class LossSettings:
+    """Which loss of the family, and its constants.
+
+    loss_type picks the aggregation (see `policy_loss`); clip_eps_low / clip_eps_high bound the
+    token ratio (asymmetric "clip-higher", Yu et al. 2025 "DAPO"); clip_ratio_c is the dual-clip
+    constant for A < 0 (0 = off, > 1 when on; Ye et al. 2020 "Mastering Complex Control in MOBA
+    Games with Deep RL"); gspo_clip_eps_* bound GSPO's sequence ratio (Zheng et al. 2025 "Group
+    Sequence Policy Optimization"); kl_estimator is one of Schulman 2020 "Approximating KL
+    divergence"; tis_cap > 0 turns on truncated importance sampling on π_old / π_gen; max_new_tokens
+    is dr_grpo's constant normaliser.
+    """
+
+    loss_type: str = "dapo"
+    clip_eps_low: float = 0.2
+    clip_eps_high: float = 0.2
+    clip_ratio_c: float = 0.0
+    gspo_clip_eps_low: float = 3e-4
+    gspo_clip_eps_high: float = 4e-4
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    entropy_coef: float = 0.0
+    tis_cap: float = 0.0
+    tis_level: str = "token"
+    tis_mode: str = "truncate"
+    max_new_tokens: int = 1
+
+    def __post_init__(self) -> None:
+        for name, allowed in (
+            ("loss_type", LOSS_TYPES),
+            ("kl_estimator", KL_ESTIMATORS),
+            ("tis_level", TIS_LEVELS),
+            ("tis_mode", TIS_MODES),
+        ):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        # c <= 1 would cap the loss of tokens whose ratio is still inside the trust region.
+        if self.clip_ratio_c != 0 and self.clip_ratio_c <= 1:
+            raise ValueError(f"clip_ratio_c must be 0 (off) or > 1, got {self.clip_ratio_c}")
+        if self.tis_cap < 0:
+            raise ValueError(f"tis_cap must be >= 0 (0 = off), got {self.tis_cap}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+@dataclass
+class Normalizers:
+    """Counts that make a micro-batch's loss a share of the whole minibatch's loss."""
+
+    global_tokens: float  # loss-carrying tokens of the minibatch over all trainer ranks
+    global_sequences: float  # sequences (episodes) of the minibatch over all trainer ranks (those with ≥1 loss token)
+    micro_batches: int  # micro-batches of this minibatch on this rank (bnpo averages over them)
+    world_size: int  # trainer ranks (bnpo averages over ranks)
+
+
+@dataclass
+class LossTerms:
+    """A micro-batch's share of the minibatch loss (scalar, with grad) and its logging statistics.
+
+    stats are detached 0-d tensors, sums over this micro-batch's loss tokens unless stated:
+    "tokens" (count), "clipped" (count of tokens whose clip binds), "ratio_sum", "ratio_max" (a max),
+    "kl_sum" (the chosen estimator; 0 without a reference), "entropy_sum", "tis_clipped" (count of
+    tokens with π_old / π_gen above the cap), "tis_weight_sum" (the weight applied to the surrogate;
+    1 per token when TIS is off), "sequences" (count of sequences with ≥ 1 loss token).
+    """
+
+    loss: torch.Tensor
+    stats: dict[str, torch.Tensor]
 
 
 @dataclass
@@ -25,6 +105,28 @@ class SurrogateTerms:
     clipped: torch.Tensor
 
 
+def _surrogate(
+    log_ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    clip_eps_low: float,
+    clip_eps_high: float,
+    clip_ratio_c: float,
+) -> SurrogateTerms:
+    """Clipped surrogate of r = exp(log_ratio), dual-clipped for A < 0 when clip_ratio_c > 0. [B, T] each."""
+    ratio = torch.exp(log_ratio)
+    unclipped = ratio * advantages
+    clipped = torch.clamp(ratio, 1 - clip_eps_low, 1 + clip_eps_high) * advantages
+    loss = -torch.minimum(unclipped, clipped)
+    # The clip is active where it lowers the objective: r above the band with A > 0, below it with A < 0.
+    active = ((ratio > 1 + clip_eps_high) & (advantages > 0)) | ((ratio < 1 - clip_eps_low) & (advantages < 0))
+    if clip_ratio_c > 0:
+        # Dual clip: with A < 0 the loss |A| * max(r, clip(r)) grows without bound in r; cap it at c * |A|.
+        dual = (advantages < 0) & (loss > -clip_ratio_c * advantages)
+        loss = torch.where(dual, -clip_ratio_c * advantages, loss)
+        active = active | dual
+    return SurrogateTerms(loss=loss, ratio=ratio.detach(), clipped=active)
+
+
 def clipped_surrogate(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -32,15 +134,143 @@ def clipped_surrogate(
     clip_eps_low: float,
     clip_eps_high: float,
 ) -> SurrogateTerms:
-    """PPO-style clipped surrogate per token. All inputs [B, T]; advantages broadcast per sequence."""
-    ratio = torch.exp(logprobs - old_logprobs)
-    unclipped = ratio * advantages
-    clipped = torch.clamp(ratio, 1 - clip_eps_low, 1 + clip_eps_high) * advantages
-    # The clip is active where it lowers the objective: r above the band with A > 0, below it with A < 0.
-    active = ((ratio > 1 + clip_eps_high) & (advantages > 0)) | ((ratio < 1 - clip_eps_low) & (advantages < 0))
-    return SurrogateTerms(loss=-torch.minimum(unclipped, clipped), ratio=ratio.detach(), clipped=active)
+    """PPO-style clipped surrogate per token (Schulman et al. 2017). All inputs [B, T]; advantages
+    broadcast per sequence. loss_t = -min(r_t A, clip(r_t, 1 - eps_low, 1 + eps_high) A), r_t = π_θ / π_old."""
+    return _surrogate(logprobs - old_logprobs, advantages, clip_eps_low, clip_eps_high, 0.0)
 
 
 def token_sum(per_token: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Sum of per_token [B, T] over the tokens where mask [B, T] is set."""
     return (per_token * mask).sum()
+
+
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token estimate [B, T] of KL(π_θ || π_ref) from samples of π_θ (Schulman 2020,
+    "Approximating KL divergence"). With δ = log π_ref - log π_θ:
+    k1 = -δ (unbiased, can be negative), k2 = δ² / 2, k3 = exp(δ) - δ - 1 (unbiased, ≥ 0)."""
+    delta = ref_logprobs - logprobs
+    if estimator == "k1":
+        return -delta
+    if estimator == "k2":
+        return 0.5 * delta**2
+    if estimator == "k3":
+        return torch.exp(delta) - delta - 1
+    raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
+
+
+def _sequence_sum(values: torch.Tensor, seq_ids: torch.Tensor, num_seqs: int) -> torch.Tensor:
+    """Per-sequence sums [num_seqs] of values [B, T]; values must be 0 where seq_ids is -1 (padding)."""
+    return values.new_zeros(num_seqs).index_add(0, seq_ids.clamp(min=0).flatten(), values.flatten())
+
+
+def _per_token(per_sequence: torch.Tensor, seq_ids: torch.Tensor) -> torch.Tensor:
+    """Each token's sequence value [B, T] from per_sequence [S]; padding gets sequence 0's (callers mask it)."""
+    return per_sequence[seq_ids.clamp(min=0)]
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    gen_logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor | None,
+    entropy: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    seq_ids: torch.Tensor,
+    settings: LossSettings,
+    norm: Normalizers,
+) -> LossTerms:
+    """One micro-batch's share of the minibatch policy loss. All inputs [B, T].
+
+    logprobs = log π_θ (with grad), old_logprobs = log π_old, gen_logprobs = log π_gen,
+    ref_logprobs = log π_ref (needed when kl_coef > 0), entropy of π_θ per token, advantages per token
+    (constant within a sequence), mask float {0, 1} (tokens that carry loss), seq_ids int64 (sequence
+    index within the micro-batch, -1 on padding).
+
+    Per loss token t of sequence i:
+
+        L_t = w_t * l_t + kl_coef * k_t - entropy_coef * H_t
+
+    l_t is the clipped surrogate (dual-clipped for A < 0 when clip_ratio_c > 0: l_t = min(l_t, -c A));
+    w_t the TIS weight on w = π_old / π_gen (per token, or exp(Σ_t∈i log w_t) per sequence):
+    min(w, cap) ("truncate") or 1[w ≤ cap] ("mask"), 1 when tis_cap = 0; k_t the KL estimate
+    (`kl_penalty`). KL and entropy terms are not importance-weighted. The minibatch loss, with G =
+    global_sequences and N = global_tokens:
+
+        grpo    Σ_i (Σ_t∈i L_t / T_i) / G               DeepSeekMath, Shao et al. 2024
+        dapo    Σ_t L_t / N                             Yu et al. 2025
+        dr_grpo Σ_t L_t / (G · max_new_tokens)          Liu et al. 2025, "Understanding R1-Zero-like training"
+        gspo    as grpo, with l_t = -min(s_i A_i, clip(s_i, 1 - gspo_eps_low, 1 + gspo_eps_high) A_i)
+                for every t of i, s_i = exp(mean_t∈i (log π_θ - log π_old))    Zheng et al. 2025
+
+    so gspo's total is Σ_i (l_i · mean_t∈i w_t + mean_t∈i (KL and entropy terms)) / G (mean_t w_t =
+    w_i at the sequence level; dual clip applies to s_i). The share returned is the micro-batch's part
+    of that sum. bnpo (Xiao et al. 2025) is defined per micro-batch: its share is
+    Σ_t L_t / T_mb / micro_batches / world_size, T_mb this micro-batch's loss tokens, so that the
+    minibatch loss is the mean over ranks and micro-batches of per-micro-batch token means.
+
+    Stats: see `LossTerms`. For gspo, "ratio_*" are over s_i repeated on each loss token of i, and
+    "clipped" counts the loss tokens of sequences whose sequence clip binds, so that clipped / tokens
+    stays a token fraction.
+    """
+    s = settings
+    if s.kl_coef > 0 and ref_logprobs is None:
+        raise ValueError("kl_coef > 0 needs ref_logprobs")
+    valid = mask > 0
+    dtype = logprobs.dtype
+    # Prompt and padding positions hold arbitrary log-probs (gen_logprobs is 0 there); zeroing the
+    # differences keeps every exp() finite so they cannot leak inf / NaN into the loss or its gradient.
+    log_ratio = torch.where(valid, logprobs - old_logprobs, 0.0)
+    num_seqs = max(int(seq_ids.max()) + 1, 1)
+    seq_tokens = _sequence_sum(valid.to(dtype), seq_ids, num_seqs)
+    if s.loss_type == "gspo":
+        seq_log_ratio = _sequence_sum(log_ratio, seq_ids, num_seqs) / seq_tokens.clamp(min=1)
+        surrogate = _surrogate(
+            _per_token(seq_log_ratio, seq_ids), advantages, s.gspo_clip_eps_low, s.gspo_clip_eps_high, s.clip_ratio_c
+        )
+    else:
+        surrogate = _surrogate(log_ratio, advantages, s.clip_eps_low, s.clip_eps_high, s.clip_ratio_c)
+
+    if s.tis_cap > 0:
+        log_w = torch.where(valid, old_logprobs - gen_logprobs, 0.0).detach()
+        if s.tis_level == "sequence":
+            log_w = _per_token(_sequence_sum(log_w, seq_ids, num_seqs), seq_ids)
+        w = torch.exp(log_w)
+        over_cap = w > s.tis_cap
+        weight = w.clamp(max=s.tis_cap) if s.tis_mode == "truncate" else (~over_cap).to(dtype)
+    else:
+        weight, over_cap = torch.ones_like(log_ratio), torch.zeros_like(valid)
+    per_token = weight * surrogate.loss
+
+    kl = kl_penalty(logprobs, ref_logprobs, s.kl_estimator) if ref_logprobs is not None else None
+    if s.kl_coef > 0:
+        per_token = per_token + s.kl_coef * kl
+    if s.entropy_coef > 0:
+        per_token = per_token - s.entropy_coef * entropy
+
+    # Each loss type is Σ_t L_t · scale_t; the max(·, 1) guards only make an empty minibatch's loss 0.
+    if s.loss_type == "dapo":
+        scale = 1.0 / max(norm.global_tokens, 1.0)
+    elif s.loss_type == "dr_grpo":
+        scale = 1.0 / (max(norm.global_sequences, 1.0) * s.max_new_tokens)
+    elif s.loss_type == "bnpo":
+        scale = 1.0 / (valid.sum().clamp(min=1).to(dtype) * norm.micro_batches * norm.world_size)
+    else:  # grpo, gspo: token mean within each sequence, then a share of the mean over sequences
+        scale = 1.0 / (_per_token(seq_tokens, seq_ids).clamp(min=1) * max(norm.global_sequences, 1.0))
+    loss = torch.where(valid, per_token * scale, 0.0).sum()
+
+    def masked_sum(values: torch.Tensor) -> torch.Tensor:
+        return torch.where(valid, values.detach().to(dtype), 0.0).sum()
+
+    stats = {
+        "tokens": masked_sum(torch.ones_like(log_ratio)),
+        "clipped": masked_sum(surrogate.clipped),
+        "ratio_sum": masked_sum(surrogate.ratio),
+        "ratio_max": torch.where(valid, surrogate.ratio, 0.0).max(),
+        "kl_sum": masked_sum(kl) if kl is not None else log_ratio.new_zeros(()),
+        "entropy_sum": masked_sum(entropy),
+        "tis_clipped": masked_sum(over_cap),
+        "tis_weight_sum": masked_sum(weight),
+        "sequences": (seq_tokens > 0).sum().to(dtype),
+    }
+    return LossTerms(loss=loss, stats=stats)

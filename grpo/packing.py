@@ -27,8 +27,12 @@ class PackedRows:
     gen_logprobs: torch.Tensor
 
 
-def pack_episodes(batch: EpisodeBatch, pad_id: int = 0) -> PackedRows:
-    """First-fit-decreasing packing of each episode's (seq_len - 1) input tokens into rows as wide as the longest."""
+def pack_episodes(batch: EpisodeBatch, pad_id: int = 0, mask_truncated: bool = False) -> PackedRows:
+    """First-fit-decreasing packing of each episode's (seq_len - 1) input tokens into rows as wide as the longest.
+
+    mask_truncated: completions cut by the token budget get no loss tokens (their reward judges an
+    unfinished answer).
+    """
     input_lens = (batch.seq_lens - 1).tolist()
     width = max(input_lens)
     rows: list[list[int]] = []
@@ -62,7 +66,8 @@ def pack_episodes(batch: EpisodeBatch, pad_id: int = 0) -> PackedRows:
             positions[r, span] = torch.arange(n)
             doc_ids[r, span] = i
             first_completion_target = int(batch.prompt_lens[i]) - 1
-            loss_mask[r, col + first_completion_target : col + n] = 1.0
+            if not (mask_truncated and bool(batch.truncated[i])):
+                loss_mask[r, col + first_completion_target : col + n] = 1.0
             advantages[r, span] = float(batch.advantages[i])
             col += n
     return PackedRows(tokens, positions, doc_ids, targets, loss_mask, advantages, gen_logprobs)

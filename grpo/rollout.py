@@ -4,13 +4,12 @@ episodes -> Scorer -> rewards and group advantages (trainer side)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
 from grpo.data import Prompt
 from grpo.engine import Completion, GenerationRequest, NativeEngine, SamplingParams
-from grpo.episode import EpisodeBatch, group_advantages
+from grpo.episode import EpisodeBatch
 from grpo.scorer import Scorer
 
 
@@ -62,26 +61,15 @@ def generate_episodes(
     return episodes_from_completions(engine.generate(generate_requests(prompts, group_size, step), sampling), pad_id)
 
 
-@dataclass
-class ScoreSums:
-    """Per reward function: the sum over this rank's episodes (summed across ranks, then averaged)."""
-
-    per_function: dict[str, float]
-
-
 def score_episodes(
     scorer: Scorer,
     episodes: EpisodeBatch,
     prompts: dict[int, Prompt],
     decode: Callable[[list[int]], str],
-    group_size: int,
-) -> ScoreSums:
-    """Fill episodes.rewards and episodes.advantages (groups must be whole and contiguous)."""
+) -> dict[str, float]:
+    """Fill episodes.rewards; returns each reward function's sum over these episodes."""
     owners = [prompts[int(i)] for i in episodes.prompt_index]
     texts = [decode(episodes.completion(i)) for i in range(len(episodes))]
     scored = scorer.score([p.text for p in owners], texts, [p.answer for p in owners], [p.metadata for p in owners])
     episodes.rewards = scored.total
-    # Evaluation scores single samples (group_size 1): there is no group to be relative to.
-    if group_size > 1 and len(episodes):
-        episodes.advantages = group_advantages(scored.total, group_size)
-    return ScoreSums({name: float(values.sum()) for name, values in scored.per_function.items()})
+    return {name: float(values.sum()) for name, values in scored.per_function.items()}

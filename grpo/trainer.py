@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from grpo.config import GRPOConfig, OptimizerConfig
 from grpo.episode import EpisodeBatch
-from grpo.loss import clipped_surrogate, token_sum
+from grpo.loss import LossSettings, Normalizers, policy_loss
 from grpo.packing import PackedRows, pack_episodes
 from model import Transformer
 from model.parallelize import parallelize
@@ -35,8 +35,11 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: floa
 
 @dataclass
 class _MicroBatch:
-    rows: PackedRows
+    """Packed rows of one forward/backward (None: an empty micro-batch that keeps ranks in step)."""
+
+    rows: PackedRows | None
     old_logprobs: torch.Tensor | None = None
+    ref_logprobs: torch.Tensor | None = None
 
 
 class Trainer:
@@ -53,15 +56,39 @@ class Trainer:
         total_steps: int,
         micro_batch_size: int,
         temperature: float,
+        max_new_tokens: int,
         activation_checkpointing: bool = False,
         compile: bool = False,
+        reference: Transformer | None = None,
     ):
+        """`model` and `reference` (needed when grpo.kl_coef > 0: the frozen policy the KL penalty
+        pulls toward) are fp32 models on this rank's device; both get sharded over `mesh`."""
         self.mesh, self.device = mesh, device
         self.grpo, self.optim = grpo, optim
         self.micro_batch_size = micro_batch_size
         # Log-probs are those of the sampling distribution; greedy sampling scores at temperature 1.
         self.temperature = temperature if temperature > 0 else 1.0
         self.model = parallelize(model, mesh, compute_dtype, activation_checkpointing, compile)
+        if (reference is not None) != (grpo.kl_coef > 0):
+            raise ValueError("a reference model is needed exactly when grpo.kl_coef > 0")
+        self.reference = None
+        if reference is not None:
+            self.reference = parallelize(reference.requires_grad_(False), mesh, compute_dtype).eval()
+        self.loss_settings = LossSettings(
+            loss_type=grpo.loss_type,
+            clip_eps_low=grpo.clip_eps_low,
+            clip_eps_high=grpo.clip_eps_high,
+            clip_ratio_c=grpo.clip_ratio_c,
+            gspo_clip_eps_low=grpo.gspo_clip_eps_low,
+            gspo_clip_eps_high=grpo.gspo_clip_eps_high,
+            kl_coef=grpo.kl_coef,
+            kl_estimator=grpo.kl_estimator,
+            entropy_coef=grpo.entropy_coef,
+            tis_cap=grpo.tis_cap,
+            tis_level=grpo.tis_level,
+            tis_mode=grpo.tis_mode,
+            max_new_tokens=max_new_tokens,
+        )
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),
             lr=optim.lr,
@@ -103,20 +130,24 @@ class Trainer:
         for group_ids in torch.tensor_split(all_groups, self.grpo.minibatches):
             episodes = torch.isin(batch.prompt_index, group_ids).nonzero().flatten()
             chunks = [episodes[i : i + self.micro_batch_size] for i in range(0, len(episodes), self.micro_batch_size)]
-            minibatches.append([_MicroBatch(pack_episodes(batch.select(c))) for c in chunks])
+            minibatches.append(
+                [_MicroBatch(pack_episodes(batch.select(c), mask_truncated=self.grpo.mask_truncated)) for c in chunks]
+            )
         counts = self._all_reduce([len(m) for m in minibatches], op=dist.ReduceOp.MAX)
         for micro_batches, count in zip(minibatches, counts):
             micro_batches.extend(_MicroBatch(None) for _ in range(int(count) - len(micro_batches)))
         return minibatches
 
-    def _forward(self, rows: PackedRows | None):
-        """Per-token log-probs and entropy [R, W] of a packed micro-batch (one pad token if empty)."""
+    def _forward(self, rows: PackedRows | None, model: Transformer | None = None):
+        """Per-token log-probs and entropy [R, W] of a packed micro-batch (one pad token if empty),
+        under the policy or the given model."""
+        model = self.model if model is None else model
         if rows is None:
             # An empty micro-batch still runs forward/backward: FSDP's collectives need every rank.
             tokens = torch.zeros((1, 1), dtype=torch.long, device=self.device)
-            return self.model(tokens, targets=tokens, temperature=self.temperature)
+            return model(tokens, targets=tokens, temperature=self.temperature)
         d = self.device
-        return self.model(
+        return model(
             rows.tokens.to(d),
             positions=rows.positions.to(d),
             doc_ids=rows.doc_ids.to(d),
@@ -129,69 +160,102 @@ class Trainer:
         batch split into minibatches, one optimizer step per minibatch. Returns global metrics."""
         self.model.train()
         minibatches = self._micro_batches(batch)
+        every_micro_batch = [mb for m in minibatches for mb in m]
         # π_old equals π_θ at the first update; it needs its own pass only when there are later ones.
         recompute_old = self.grpo.num_iterations > 1 or self.grpo.minibatches > 1
-        if recompute_old:
-            with torch.no_grad():
-                # Empty micro-batches run too: every rank must join each FSDP all-gather.
-                for mb in (mb for m in minibatches for mb in m):
+        with torch.no_grad():
+            # Empty micro-batches run too: every rank must join each FSDP all-gather.
+            for mb in every_micro_batch:
+                if recompute_old:
                     logprobs = self._forward(mb.rows).logprobs
                     if mb.rows is not None:
                         mb.old_logprobs = logprobs
-        sums = dict(loss=0.0, tokens=0.0, clipped=0.0, ratio=0.0, entropy=0.0, diff=0.0)
-        maxima = dict(ratio=0.0, diff=0.0)
-        grad_norms = []
+                if self.reference is not None:
+                    logprobs = self._forward(mb.rows, self.reference).logprobs
+                    if mb.rows is not None:
+                        mb.ref_logprobs = logprobs
+        totals: dict[str, float] = {}
+        maxima = dict(ratio_max=0.0, diff=0.0)
+        loss_sum, diff_sum, grad_norms = 0.0, 0.0, []
         for iteration in range(self.grpo.num_iterations):
             for micro_batches in minibatches:
-                local_tokens = sum(float(mb.rows.loss_mask.sum()) for mb in micro_batches if mb.rows is not None)
-                global_tokens = max(self._all_reduce([local_tokens])[0], 1.0)
+                norm = self._normalizers(micro_batches)
                 for mb in micro_batches:
                     out = self._forward(mb.rows)
                     if mb.rows is None:
                         (out.logprobs.sum() * 0.0).backward()
                         continue
-                    mask = mb.rows.loss_mask.to(self.device)
+                    rows = mb.rows
+                    mask = rows.loss_mask.to(self.device)
+                    gen = rows.gen_logprobs.to(self.device)
                     old = mb.old_logprobs if recompute_old else out.logprobs.detach()
-                    terms = clipped_surrogate(
+                    terms = policy_loss(
                         out.logprobs,
                         old,
-                        mb.rows.advantages.to(self.device),
-                        self.grpo.clip_eps_low,
-                        self.grpo.clip_eps_high,
+                        gen,
+                        mb.ref_logprobs,
+                        out.entropy,
+                        rows.advantages.to(self.device),
+                        mask,
+                        rows.doc_ids.to(self.device),
+                        self.loss_settings,
+                        norm,
                     )
-                    loss = token_sum(terms.loss, mask) / global_tokens
-                    if self.grpo.entropy_coef:
-                        loss = loss - self.grpo.entropy_coef * token_sum(out.entropy, mask) / global_tokens
-                    (loss * self.mesh.size()).backward()
+                    (terms.loss * norm.world_size).backward()
+                    loss_sum += float(terms.loss.detach())
+                    for key, value in terms.stats.items():
+                        if key == "ratio_max":
+                            maxima["ratio_max"] = max(maxima["ratio_max"], float(value))
+                        else:
+                            totals[key] = totals.get(key, 0.0) + float(value)
                     if iteration == 0:
-                        diff = (old - mb.rows.gen_logprobs.to(self.device)).abs() * mask
-                        sums["diff"] += float(diff.sum())
+                        diff = (old - gen).abs() * mask
+                        diff_sum += float(diff.sum())
                         maxima["diff"] = max(maxima["diff"], float(diff.max()))
-                    sums["loss"] += float(loss.detach())
-                    sums["tokens"] += float(mask.sum())
-                    sums["clipped"] += float(token_sum(terms.clipped.float(), mask))
-                    sums["ratio"] += float(token_sum(terms.ratio, mask))
-                    sums["entropy"] += float(token_sum(out.entropy.detach(), mask))
-                    maxima["ratio"] = max(maxima["ratio"], float((terms.ratio * mask).max()))
                 grad_norms.append(self._optimizer_step())
         lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
 
-        loss, tokens, clipped, ratio, entropy, diff = self._all_reduce(list(sums.values()))
+        keys = sorted(totals)
+        summed = dict(zip(keys, self._all_reduce([totals[k] for k in keys]))) if keys else {}
+        loss_total, diff_total = self._all_reduce([loss_sum, diff_sum])
         ratio_max, diff_max = self._all_reduce(list(maxima.values()), op=dist.ReduceOp.MAX)
+        tokens = max(summed.get("tokens", 0.0), 1.0)
         updates = self.grpo.num_iterations * self.grpo.minibatches
-        first_pass_tokens = tokens / self.grpo.num_iterations
-        return {
-            "loss/policy": loss / updates,
-            "loss/clip_frac": clipped / tokens,
-            "loss/ratio_mean": ratio / tokens,
+        metrics = {
+            "loss/policy": loss_total / updates,
+            "loss/clip_frac": summed.get("clipped", 0.0) / tokens,
+            "loss/ratio_mean": summed.get("ratio_sum", 0.0) / tokens,
             "loss/ratio_max": ratio_max,
-            "loss/entropy": entropy / tokens,
+            "loss/entropy": summed.get("entropy_sum", 0.0) / tokens,
             "loss/grad_norm": sum(grad_norms) / len(grad_norms),
-            "logprob_diff/mean": diff / first_pass_tokens,
+            "logprob_diff/mean": diff_total / (tokens / self.grpo.num_iterations),
             "logprob_diff/max": diff_max,
             "optimizer/lr": lr,
         }
+        if self.reference is not None:
+            metrics["loss/kl"] = summed.get("kl_sum", 0.0) / tokens
+        if self.loss_settings.tis_cap > 0:
+            metrics["tis/clipped_frac"] = summed.get("tis_clipped", 0.0) / tokens
+            metrics["tis/mean_weight"] = summed.get("tis_weight_sum", 0.0) / tokens
+        return metrics
+
+    def _normalizers(self, micro_batches: list[_MicroBatch]) -> Normalizers:
+        """Global token and sequence counts of one minibatch (all trainer ranks)."""
+        tokens = sequences = 0.0
+        for mb in micro_batches:
+            if mb.rows is None:
+                continue
+            tokens += float(mb.rows.loss_mask.sum())
+            carrying = mb.rows.doc_ids[mb.rows.loss_mask > 0]
+            sequences += float(torch.unique(carrying).numel())
+        global_tokens, global_sequences = self._all_reduce([tokens, sequences])
+        return Normalizers(
+            global_tokens=max(global_tokens, 1.0),
+            global_sequences=max(global_sequences, 1.0),
+            micro_batches=len(micro_batches),
+            world_size=self.mesh.size(),
+        )
 
     def _optimizer_step(self) -> float:
         max_norm = self.optim.max_grad_norm if self.optim.max_grad_norm > 0 else float("inf")

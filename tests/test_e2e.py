@@ -85,11 +85,19 @@ def test_reward_error_stops_every_rank_with_one_line(tmp_path):
     assert f'File "{REPO}' not in result.stderr
 
 
-@pytest.mark.parametrize("nproc", [None, 2])
-def test_demo_reward_rises(tmp_path, nproc):
+@pytest.mark.parametrize(
+    "nproc, options",
+    [
+        (2, ["--parallelism.mode=split"]),
+        (None, ["--parallelism.mode=colocated", "--grpo.loss_type=dapo"]),
+        (None, ["--parallelism.mode=colocated", "--grpo.kl_coef=0.04"]),
+        (None, ["--parallelism.mode=colocated", "--grpo.num_iterations=2", "--grpo.minibatches=2"]),
+    ],
+    ids=["split", "colocated-dapo", "colocated-kl", "colocated-iterations"],
+)
+def test_demo_reward_rises(tmp_path, nproc, options):
     """A shortened embedded demo: held-out greedy reward starts near zero and clearly rises."""
-    mode = "--parallelism.mode=colocated" if nproc is None else "--parallelism.mode=split"
-    result = launch(["--training.steps=60", mode, f"--job.output_dir={tmp_path}"], nproc=nproc, timeout=400)
+    result = launch(["--training.steps=60", *options, f"--job.output_dir={tmp_path}"], nproc=nproc, timeout=400)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = metrics(tmp_path)
     first, last = rows[0]["eval/reward_mean"], rows[-1]["eval/reward_mean"]

@@ -184,7 +184,7 @@ def run_trainer(
         group = dist.new_group(list(range(world)), timeout=timedelta(seconds=timeout_s))
         mesh = DeviceMesh.from_group(group, "cpu")
     trainer = Trainer(build_model(), mesh, torch.device("cpu"), torch.float32, grpo, optim, total_steps=10,
-                      micro_batch_size=micro_batch_size, temperature=TEMPERATURE)
+                      micro_batch_size=micro_batch_size, temperature=TEMPERATURE, max_new_tokens=8)
     metrics = trainer.train(batch)
     weights = {}
     for name, param in trainer.model.named_parameters():

@@ -230,7 +230,7 @@ def _trainer(group, num_iterations: int, minibatches: int) -> Trainer:
     grpo = GRPOConfig(group_size=GROUP_SIZE, num_iterations=num_iterations, minibatches=minibatches)
     optim = OptimizerConfig(lr=1e-2, warmup_steps=0)
     return Trainer(model, mesh, torch.device("cpu"), torch.float32, grpo, optim, total_steps=2,
-                   micro_batch_size=MICRO_BATCH, temperature=1.0)
+                   micro_batch_size=MICRO_BATCH, temperature=1.0, max_new_tokens=8)
 
 
 def _shape_of(minibatches) -> list[list[int]]:
