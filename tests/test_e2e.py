@@ -104,3 +104,36 @@ def test_demo_reward_rises(tmp_path, nproc, options):
     assert first <= 0.15
     assert last >= first + 0.2, (first, last)
     assert "held-out reward" in result.stdout
+
+
+FILTERED = [
+    "--training.steps=2", "--data.prompts_per_step=8", "--grpo.group_size=4", "--eval.num_prompts=4",
+    "--rewards.functions=[\"tests.fixtures.slow_rewards:flat_for_low_digits\"]", "--rewards.num_workers=0",
+    "--grpo.filter_zero_variance=true",
+]
+
+
+def test_zero_variance_filter_and_dynamic_sampling(tmp_path):
+    """Half the prompts give all-equal rewards: the filter drops them; dynamic sampling refills the
+    batch to exactly data.prompts_per_step groups, identically in split (2 trainers) and colocated runs."""
+    plain = launch([*FILTERED, "--parallelism.mode=colocated", f"--job.output_dir={tmp_path / 'plain'}"], nproc=None)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    for row in metrics(tmp_path / "plain")[1:]:
+        assert row["grpo/groups_filtered"] > 0
+        assert row["grpo/groups_trained"] == 8 - row["grpo/groups_filtered"]
+        assert row["grpo/generation_rounds"] == 1
+
+    dynamic = [*FILTERED, "--grpo.dynamic_sampling=true", "--grpo.dynamic_sampling_max_rounds=8"]
+    split = launch([*dynamic, "--parallelism.mode=split", f"--job.output_dir={tmp_path / 'split'}"], nproc=3)
+    assert split.returncode == 0, split.stderr[-3000:]
+    colocated = launch([*dynamic, "--parallelism.mode=colocated", f"--job.output_dir={tmp_path / 'colo'}"], nproc=None)
+    assert colocated.returncode == 0, colocated.stderr[-3000:]
+    split_rows, colo_rows = metrics(tmp_path / "split")[1:], metrics(tmp_path / "colo")[1:]
+    for row in split_rows:
+        assert row["grpo/groups_trained"] == 8
+        assert row["grpo/generation_rounds"] >= 2 and row["grpo/groups_filtered"] > 0
+    keys = ("grpo/groups_trained", "grpo/groups_filtered", "grpo/generation_rounds", "reward/mean")
+    assert [[r[k] for k in keys] for r in split_rows] == [[r[k] for k in keys] for r in colo_rows]
+    # Two trainer ranks sum the loss in another order than one: equal up to fp32 rounding.
+    for split_row, colo_row in zip(split_rows, colo_rows):
+        assert split_row["loss/policy"] == pytest.approx(colo_row["loss/policy"], rel=1e-5)

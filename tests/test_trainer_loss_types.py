@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor
 
 from grpo.config import GRPOConfig, OptimizerConfig
 from grpo.episode import EpisodeBatch
+from grpo.packing import pack_episodes
 from grpo.trainer import Trainer
 from model import ModelArgs, Transformer
 from tests.dist_utils import abandon_group, one_thread, run_ranks, single_process_group
@@ -260,3 +261,15 @@ def test_two_ranks_match_whole_batch(single, two_ranks, loss_type: str, setting:
         assert_same_run(got, want)
         for key in ("loss/policy", "loss/clip_frac", "loss/ratio_mean", "loss/ratio_max", "loss/grad_norm"):
             assert got["metrics"][key] == pytest.approx(want["metrics"][key], rel=1e-5, abs=1e-7), key
+
+
+def test_mask_truncated_removes_loss_tokens_of_cut_completions():
+    batch = make_batch()
+    batch.truncated = torch.zeros(len(batch), dtype=torch.bool)
+    batch.truncated[[1, 4]] = True
+    plain, masked = pack_episodes(batch), pack_episodes(batch, mask_truncated=True)
+    for i in range(len(batch)):
+        tokens_of_i = plain.doc_ids == i
+        expected = 0.0 if i in (1, 4) else float(plain.loss_mask[tokens_of_i].sum())
+        assert float(masked.loss_mask[tokens_of_i].sum()) == expected
+        assert float(plain.loss_mask[tokens_of_i].sum()) == int(batch.completion_lens[i])
