@@ -3,8 +3,12 @@
 A reward function scores one episode: ``fn(prompt, completion, answer, metadata) -> float``.
 ``completion`` is the decoded model output with the EOS stripped; ``answer`` and ``metadata``
 come from the prompt source. Functions run in worker processes, so they must be importable
-module-level callables. Scorer workers import this module to run them, so it imports only the
-standard library.
+module-level callables. Scorer workers import this module to run them, so at module level it
+imports only the standard library; ``math_accuracy`` imports ``math_verify`` on first use.
+
+Built-ins (see ``REWARDS``): ``digit_match`` (the digit tasks), ``math_accuracy`` (final-answer
+equivalence for math word problems), ``format_reward`` (regex layout check) and
+``length_penalty`` (a non-positive length shaping term).
 """
 
 import functools
@@ -13,8 +17,11 @@ import inspect
 import math
 import numbers
 import os
+import re
 import sys
+import threading
 from collections.abc import Callable
+from fractions import Fraction
 
 RewardFn = Callable[[str, str, str, dict], float]
 
@@ -40,7 +47,235 @@ def digit_match(prompt: str, completion: str, answer: str, metadata: dict) -> fl
     return matches / length if length else 0.0
 
 
-REWARDS: dict[str, RewardFn] = {"digit_match": digit_match}
+# --- math_accuracy ------------------------------------------------------------------------------
+
+# A number as written in running text: an optional minus sign (not a binary minus, i.e. not after
+# a word character or closing bracket), then \frac{a}{b} / \dfrac / \tfrac, or an integer
+# (optionally with thousands separators, 1,234,567) with an optional decimal part and an
+# optional "/b" making it a simple fraction. Digits glued to a word or a dot ("x2", ".5")
+# do not start a number.
+_NUMBER = re.compile(
+    r"""
+    (?:(?<![\w)\]}])-)?
+    (?<![\w.])
+    (?:
+        \\[dt]?frac\{\d+\}\{\d+\}
+      | (?:\d{1,3}(?:,\d{3})+(?![\d])|\d+)(?:\.\d+)?(?:/\d+(?!\d|[.,]\d))?
+    )
+    """,
+    re.VERBOSE,
+)
+_LATEX_FRAC = re.compile(r"(-?)\\[dt]?frac\{(-?\d+)\}\{(\d+)\}")
+_THOUSANDS = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
+# "<number> <plain words>", e.g. "72 dollars": the words are taken to be units and dropped.
+# Words need two or more letters so that "3 x" (a product) is left alone.
+_NUMBER_WITH_UNITS = re.compile(r"(\\?\$?\s*-?[\d.,/]+)\s+[A-Za-z]{2,}(?:\s+[A-Za-z]{2,})*\.?")
+# Extracted answers longer than this skip math_verify (sympy can be very slow on huge inputs).
+_MAX_ANSWER_CHARS = 1000
+
+
+def _last_boxed(text: str) -> str | None:
+    """Contents of the last complete ``\\boxed{...}`` (balanced, nested braces allowed)."""
+    end = len(text)
+    while (start := text.rfind("\\boxed", 0, end)) >= 0:
+        end = start
+        i = start + len("\\boxed")
+        while i < len(text) and text[i].isspace():
+            i += 1
+        if i >= len(text) or text[i] != "{":
+            continue
+        depth = 0
+        for j in range(i, len(text)):
+            if text[j] == "{":
+                depth += 1
+            elif text[j] == "}":
+                depth -= 1
+                if depth == 0:
+                    return text[i + 1 : j]
+        # unbalanced (e.g. a truncated generation): try an earlier \boxed
+    return None
+
+
+def _gsm8k_answer(text: str) -> str | None:
+    """The rest of the line after the last ``####``."""
+    start = text.rfind("####")
+    if start < 0:
+        return None
+    return text[start + 4 :].split("\n", 1)[0]
+
+
+def _last_number(text: str) -> str | None:
+    last = None
+    for last in _NUMBER.finditer(text):
+        pass
+    return last.group(0) if last else None
+
+
+def _clean(answer: str) -> str:
+    """Strip whitespace, a trailing period and trailing unit words ("72 dollars" -> "72")."""
+    answer = answer.strip()
+    if m := _NUMBER_WITH_UNITS.fullmatch(answer):
+        answer = m.group(1)
+    return answer.strip().rstrip(".").strip()
+
+
+def extract_answer(text: str, *, reference: bool = False) -> str | None:
+    """A final answer from ``text``, or None; see ``math_accuracy`` for the order tried."""
+    for candidate in (_last_boxed(text), _gsm8k_answer(text)):
+        if candidate is not None and (candidate := _clean(candidate)):
+            return candidate
+    if reference:
+        return _clean(text) or None
+    number = _last_number(text)
+    return _clean(number) if number is not None else None
+
+
+def _normalize(answer: str) -> str:
+    """Cheap canonical form for the pre-check: no ``$``, spaces, trailing period, or thousands commas."""
+    s = answer.replace("\\$", "").replace("$", "").replace("\\!", "").replace("\\,", "")
+    s = "".join(s.split()).rstrip(".")
+    if _THOUSANDS.fullmatch(s):
+        s = s.replace(",", "")
+    return s
+
+
+def _as_number(s: str) -> Fraction | None:
+    """``s`` (already normalized) as an exact rational if it is a plain number, else None."""
+    if m := _LATEX_FRAC.fullmatch(s):
+        sign, num, den = m.groups()
+        s = f"{sign}{num}/{den}"
+    if not re.fullmatch(r"-?(?:\d+(?:\.\d*)?|\.\d+)(?:/\d+)?", s):
+        return None
+    try:
+        return Fraction(s)
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def _math_verify_equal(gold: str, pred: str) -> bool:
+    from math_verify import parse, verify
+
+    # math_verify times out through signal.alarm, which only works in the main thread.
+    timeout = 5 if threading.current_thread() is threading.main_thread() else None
+
+    def parsed(answer: str) -> list:
+        result = parse(f"${answer}$", parsing_timeout=timeout)
+        return result or parse(f"\\boxed{{{answer}}}", parsing_timeout=timeout)
+
+    gold_parsed = parsed(gold)
+    pred_parsed = parsed(pred)
+    if not gold_parsed or not pred_parsed:
+        return False
+    return bool(verify(gold_parsed, pred_parsed, timeout_seconds=timeout))
+
+
+def answers_equivalent(gold: str, pred: str) -> bool:
+    """Whether two extracted answers are mathematically equivalent; never raises."""
+    try:
+        g, p = _normalize(gold), _normalize(pred)
+        if not g or not p:
+            return False
+        if g == p:
+            return True
+        g_num, p_num = _as_number(g), _as_number(p)
+        if g_num is not None and p_num is not None:
+            if g_num == p_num:
+                return True
+            if g_num.denominator == 1 and p_num.denominator == 1:
+                return False  # distinct integers: no need for sympy
+        if len(gold) > _MAX_ANSWER_CHARS or len(pred) > _MAX_ANSWER_CHARS:
+            return False
+        return _math_verify_equal(gold, pred)
+    except Exception:
+        return False
+
+
+def math_accuracy(prompt: str, completion: str, answer: str, metadata: dict) -> float:
+    """1.0 if the completion's final answer is mathematically equivalent to the reference, else 0.0.
+
+    The completion's final answer is the first of these that gives a non-empty answer:
+
+    1. the contents of the last complete ``\\boxed{...}`` (balanced braces, so nested braces such
+       as ``\\boxed{\\frac{1}{2}}`` work; an unbalanced, truncated one is skipped);
+    2. the GSM8K form: the rest of the line after the last ``####``;
+    3. the last number in the text: integers, decimals, negatives (``-5``, but not the binary
+       minus in ``5-3``), thousands separators (``1,234``), simple fractions (``3/4``) and
+       ``\\frac{a}{b}``.
+
+    The reference answer is extracted the same way by steps 1 and 2 (``"... #### 72"``); a
+    reference with neither is used whole (``"72"``, ``"\\frac{1}{2}"``, ``"0.5"``), not reduced to
+    its last number.
+
+    Units: plain words after a number are dropped, so ``"72 dollars"`` (and ``"#### 72 dollars"``,
+    ``"\\boxed{72 \\text{ dollars}}"``) matches a reference of ``72``. A leading ``$``/``\\$`` is
+    ignored too.
+
+    Equivalence: first a cheap check on normalized strings (no ``$``, spaces, trailing period or
+    thousands separators): equal strings, or equal exact rationals when both are plain numbers,
+    score 1.0; two distinct integers score 0.0. Anything else goes to ``math_verify``
+    (``verify(parse(gold), parse(pred))`` with each answer wrapped as ``$...$``), which handles
+    LaTeX, ``\\sqrt``, ``\\%``, sets, intervals, matrices and symbolic expressions, and compares
+    floats rounded to 6 decimals (so ``0.333333`` matches ``1/3``). Answers over 1000 characters
+    skip math_verify and score 0.0.
+
+    Never raises: no extractable answer (empty completion, no number) or any parsing failure
+    scores 0.0. ``prompt`` and ``metadata`` are unused.
+    """
+    try:
+        gold = extract_answer(answer or "", reference=True)
+        pred = extract_answer(completion or "")
+    except Exception:
+        return 0.0
+    if gold is None or pred is None:
+        return 0.0
+    return 1.0 if answers_equivalent(gold, pred) else 0.0
+
+
+# --- format_reward -------------------------------------------------------------------------------
+
+DEFAULT_FORMAT_PATTERN = r"^<think>.*?</think>\s*<answer>.*?</answer>\s*$"
+
+
+def format_reward(prompt: str, completion: str, answer: str, metadata: dict) -> float:
+    """1.0 if the whole completion matches a layout regex, else 0.0.
+
+    The regex is ``metadata["format_pattern"]`` if present, else ``DEFAULT_FORMAT_PATTERN``
+    (``<think>...</think>`` then ``<answer>...</answer>``, whitespace around allowed). It must
+    match the whole completion (``re.fullmatch``) with ``re.DOTALL``, so ``.`` spans lines. An
+    invalid pattern raises ``re.error`` (a configuration error, reported by the scorer).
+    """
+    pattern = (metadata or {}).get("format_pattern") or DEFAULT_FORMAT_PATTERN
+    return 1.0 if re.fullmatch(pattern, completion, re.DOTALL) else 0.0
+
+
+# --- length_penalty ------------------------------------------------------------------------------
+
+
+def length_penalty(prompt: str, completion: str, answer: str, metadata: dict) -> float:
+    """A non-positive shaping term: ``-scale * min(1, len(completion) / limit)``, in [-1, 0].
+
+    Length is in characters of the decoded completion. ``limit`` is
+    ``metadata.get("length_limit", 4096)`` (must be > 0); ``scale`` is
+    ``metadata.get("length_penalty_scale", 1.0)`` (must be in [0, 1]; for a stronger penalty
+    raise this function's weight instead). An empty completion scores 0.0 (-0.0 is returned as
+    0.0); one of ``limit`` characters or more scores ``-scale``. Bad settings raise ValueError.
+    """
+    metadata = metadata or {}
+    limit = metadata.get("length_limit", 4096)
+    scale = metadata.get("length_penalty_scale", 1.0)
+    if not (isinstance(limit, numbers.Real) and limit > 0):
+        raise ValueError(f"length_limit must be a positive number, got {limit!r}")
+    if not (isinstance(scale, numbers.Real) and 0 <= scale <= 1):
+        raise ValueError(f"length_penalty_scale must be in [0, 1], got {scale!r}")
+    return -float(scale) * min(1.0, len(completion) / limit) + 0.0
+
+
+REWARDS: dict[str, RewardFn] = {
+    "digit_match": digit_match,
+    "math_accuracy": math_accuracy,
+    "format_reward": format_reward,
+    "length_penalty": length_penalty,
+}
 
 
 def load_reward(spec: str) -> RewardFn:

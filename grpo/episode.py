@@ -131,3 +131,19 @@ def zero_variance_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor
     (their advantages are all 0, so they carry no gradient)."""
     grouped = rewards.view(-1, group_size)
     return (grouped == grouped[:, :1]).all(dim=1)
+
+
+def concat_episodes(batches: list[EpisodeBatch], pad_id: int) -> EpisodeBatch:
+    """One batch of several (right-padded to the widest), in order."""
+    width = max((b.tokens.shape[1] for b in batches), default=1)
+    pad = lambda t, value: torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value)  # noqa: E731
+    per_episode = {
+        f.name: torch.cat([getattr(b, f.name) for b in batches])
+        for f in fields(EpisodeBatch)
+        if f.name not in ("tokens", "gen_logprobs")
+    }
+    return EpisodeBatch(
+        tokens=torch.cat([pad(b.tokens, pad_id) for b in batches]),
+        gen_logprobs=torch.cat([pad(b.gen_logprobs, 0.0) for b in batches]),
+        **per_episode,
+    )

@@ -6,7 +6,6 @@ role (generator, trainer, or both when colocated).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 from pathlib import Path
@@ -17,7 +16,7 @@ import torch.distributed as dist
 from grpo.config import Config
 from grpo.data import CharTokenizer, DigitTask, Prompt
 from grpo.engine import NativeEngine, SamplingParams
-from grpo.episode import EpisodeBatch, compute_advantages, overlong_penalty, zero_variance_groups
+from grpo.episode import EpisodeBatch, compute_advantages, concat_episodes, overlong_penalty, zero_variance_groups
 from grpo.metrics import MetricsLogger
 from grpo.roles import Roles
 from grpo.rollout import generate_episodes, score_episodes
@@ -60,19 +59,6 @@ def reduce(values: dict[str, float], group: dist.ProcessGroup | None, op=dist.Re
     tensor = torch.tensor(list(values.values()), dtype=torch.float64)
     dist.all_reduce(tensor, op=op, group=group)
     return dict(zip(values, tensor.tolist()))
-
-
-def concat_episodes(batches: list[EpisodeBatch], pad_id: int) -> EpisodeBatch:
-    """One batch of several (right-padded to the widest), in order."""
-    width = max((b.tokens.shape[1] for b in batches), default=1)
-    pad = lambda t, value: torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value)  # noqa: E731
-    fields = {f.name: torch.cat([getattr(b, f.name) for b in batches]) for f in dataclasses.fields(EpisodeBatch)
-              if f.name not in ("tokens", "gen_logprobs")}
-    return EpisodeBatch(
-        tokens=torch.cat([pad(b.tokens, pad_id) for b in batches]),
-        gen_logprobs=torch.cat([pad(b.gen_logprobs, 0.0) for b in batches]),
-        **fields,
-    )
 
 
 class Run:

@@ -120,8 +120,8 @@ def test_hanging_function_times_out_and_workers_die():
                                      "'NOT_CALLABLE' is not callable (int)"),
         (f"{FIXTURES}:two_args", f"reward function '{FIXTURES}:two_args': signature (prompt: str, completion: str) "
                                  "-> float does not accept (prompt, completion, answer, metadata)"),
-        ("digit_matc", "unknown reward function 'digit_matc'; built-ins: digit_match "
-                          "(or give 'module:function')"),
+        ("digit_matc", "unknown reward function 'digit_matc'; built-ins: digit_match, format_reward, "
+                       "length_penalty, math_accuracy (or give 'module:function')"),
         (":f", "reward function ':f': expected 'module:function'"),
     ],
 )

@@ -27,6 +27,7 @@ from grpo.episode import EpisodeBatch
 from grpo.packing import pack_episodes
 from grpo.trainer import Trainer, lr_factor
 from model import ModelArgs, Transformer
+from tests.batches import hand_made_batch
 from tests.dist_utils import abandon_group, one_thread, run_ranks, single_process_group
 
 V = 40
@@ -64,37 +65,8 @@ ADVANTAGES = [[1.2, -0.4, -0.8], [0.5, 0.9, -1.4], [-1.1, 0.3, 0.8], [0.0, 1.3, 
 
 
 def make_batch() -> EpisodeBatch:
-    """12 episodes, group by group, right-padded with garbage past each sequence (must be ignored)."""
-    g = torch.Generator().manual_seed(123)
-    n = sum(len(c) for c in COMPLETION_LENS)
-    seq_lens = [PROMPT_LENS[gi] + c for gi, cs in enumerate(COMPLETION_LENS) for c in cs]
-    width = max(seq_lens) + 2
-    tokens = torch.randint(1, V, (n, width), generator=g)  # padding positions hold random ids too
-    gen_logprobs = torch.zeros(n, width)
-    prompt_lens, completion_lens, prompt_index, sample_index, advantages = [], [], [], [], []
-    i = 0
-    for gi, cs in enumerate(COMPLETION_LENS):
-        for s, c in enumerate(cs):
-            p = PROMPT_LENS[gi]
-            gen_logprobs[i, p : p + c] = -torch.rand(c, generator=g) * 3
-            prompt_lens.append(p)
-            completion_lens.append(c)
-            prompt_index.append(10 + gi)
-            sample_index.append(s)
-            advantages.append(ADVANTAGES[gi][s])
-            i += 1
-    return EpisodeBatch(
-        tokens=tokens,
-        prompt_lens=torch.tensor(prompt_lens),
-        completion_lens=torch.tensor(completion_lens),
-        gen_logprobs=gen_logprobs,
-        truncated=torch.zeros(n, dtype=torch.bool),
-        version=torch.zeros(n, dtype=torch.long),
-        prompt_index=torch.tensor(prompt_index),
-        sample_index=torch.tensor(sample_index),
-        rewards=torch.zeros(n),
-        advantages=torch.tensor(advantages),
-    )
+    """12 episodes, group by group, right-padded with random ids (which must be ignored)."""
+    return hand_made_batch(PROMPT_LENS, COMPLETION_LENS, ADVANTAGES, V, seed=123, first_prompt_index=10)
 
 
 def episodes_of(batch: EpisodeBatch, groups: list[int]) -> list[int]:

@@ -29,6 +29,7 @@ from grpo.episode import EpisodeBatch
 from grpo.packing import pack_episodes
 from grpo.trainer import Trainer
 from model import ModelArgs, Transformer
+from tests.batches import hand_made_batch
 from tests.dist_utils import abandon_group, one_thread, run_ranks, single_process_group
 
 V = 40
@@ -64,35 +65,7 @@ def _one_thread():
 
 def make_batch() -> EpisodeBatch:
     """12 episodes, group by group, right-padded with random ids (which must be ignored)."""
-    g = torch.Generator().manual_seed(2024)
-    n = sum(len(c) for c in COMPLETION_LENS)
-    width = max(PROMPT_LENS[gi] + c for gi, cs in enumerate(COMPLETION_LENS) for c in cs) + 2
-    tokens = torch.randint(1, V, (n, width), generator=g)
-    gen_logprobs = torch.zeros(n, width)
-    prompt_lens, completion_lens, prompt_index, sample_index, advantages = [], [], [], [], []
-    i = 0
-    for gi, cs in enumerate(COMPLETION_LENS):
-        for s, c in enumerate(cs):
-            p = PROMPT_LENS[gi]
-            gen_logprobs[i, p : p + c] = -torch.rand(c, generator=g) * 3
-            prompt_lens.append(p)
-            completion_lens.append(c)
-            prompt_index.append(20 + gi)
-            sample_index.append(s)
-            advantages.append(ADVANTAGES[gi][s])
-            i += 1
-    return EpisodeBatch(
-        tokens=tokens,
-        prompt_lens=torch.tensor(prompt_lens),
-        completion_lens=torch.tensor(completion_lens),
-        gen_logprobs=gen_logprobs,
-        truncated=torch.zeros(n, dtype=torch.bool),
-        version=torch.zeros(n, dtype=torch.long),
-        prompt_index=torch.tensor(prompt_index),
-        sample_index=torch.tensor(sample_index),
-        rewards=torch.zeros(n),
-        advantages=torch.tensor(advantages),
-    )
+    return hand_made_batch(PROMPT_LENS, COMPLETION_LENS, ADVANTAGES, V, seed=2024, first_prompt_index=20)
 
 
 def episodes_of(batch: EpisodeBatch, groups: list[int]) -> list[int]:
