@@ -177,9 +177,9 @@ class Trainer:
         totals: dict[str, float] = {}
         maxima = dict(ratio_max=0.0, diff=0.0)
         loss_sum, diff_sum, grad_norms = 0.0, 0.0, []
+        norms = [self._normalizers(micro_batches) for micro_batches in minibatches]
         for iteration in range(self.grpo.num_iterations):
-            for micro_batches in minibatches:
-                norm = self._normalizers(micro_batches)
+            for micro_batches, norm in zip(minibatches, norms):
                 for mb in micro_batches:
                     out = self._forward(mb.rows)
                     if mb.rows is None:
