@@ -1,0 +1,407 @@
+"""Prompt datasets from files: a Hugging Face tokenizer folder, JSONL/Parquet records, chat-template
+rendering, and a seeded, epoch-shuffled `PromptDataset` of `grpo.data.Prompt`s with a held-out split.
+
+Everything here runs offline: tokenizers load with `local_files_only=True` and nothing is downloaded.
+pyarrow is imported only when a Parquet file is read.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from grpo.data import Prompt
+
+SUPPORTED_EXTENSIONS = (".jsonl", ".parquet")
+# End-of-turn markers of common chat templates; one counts as an EOS id when the tokenizer's chat
+# template mentions it and the vocabulary holds it as a single token.
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>", "<|eot|>")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Tokenizer
+# ---------------------------------------------------------------------------------------------------
+
+
+class HFTokenizer:
+    """A Hugging Face tokenizer with the interface of `grpo.data.CharTokenizer` on top.
+
+    `eos_ids`: `eos_token_id` first, then the chat template's end-of-turn token (e.g. "<|im_end|>")
+    when it has one; `eos_id` is the first of them; `pad_id` is `pad_token_id`, or `eos_id` when the
+    tokenizer has no pad token. `hf` is the wrapped tokenizer; any other attribute is forwarded to it.
+    """
+
+    def __init__(self, hf: Any, path: str | Path = ""):
+        self.hf = hf
+        self.path = str(path)
+        eos_ids: list[int] = []
+        if hf.eos_token_id is not None:
+            eos_ids.append(int(hf.eos_token_id))
+        self.end_of_turn_token: str | None = None
+        template = hf.chat_template if isinstance(getattr(hf, "chat_template", None), str) else ""
+        for token in END_OF_TURN_TOKENS:
+            token_id = _single_token_id(hf, token)
+            if token in template and token_id is not None:
+                self.end_of_turn_token = token
+                if token_id not in eos_ids:
+                    eos_ids.append(token_id)
+                break
+        if not eos_ids:
+            raise ValueError(f"tokenizer in {self.path or 'memory'} has no eos_token and no known end-of-turn token")
+        self.eos_ids: list[int] = eos_ids
+        self.eos_id: int = eos_ids[0]
+        self.pad_id: int = int(hf.pad_token_id) if hf.pad_token_id is not None else self.eos_id
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids the tokenizer can produce (added tokens included)."""
+        return len(self.hf)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.hf, "chat_template", None))
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [int(i) for i in self.hf.encode(text, add_special_tokens=add_special_tokens)]
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of the ids; special tokens (EOS, end-of-turn, padding) dropped by default."""
+        return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "hf":  # not yet set (e.g. during unpickling): avoid infinite recursion
+            raise AttributeError(name)
+        return getattr(self.hf, name)
+
+    def __len__(self) -> int:
+        return len(self.hf)
+
+
+def _single_token_id(hf: Any, token: str) -> int | None:
+    """The id of `token` when the vocabulary holds it as one token, else None."""
+    try:
+        token_id = hf.convert_tokens_to_ids(token)
+    except (KeyError, ValueError, TypeError):
+        return None
+    if token_id is None or isinstance(token_id, list):
+        return None
+    if hf.unk_token_id is not None and token_id == hf.unk_token_id and token != hf.unk_token:
+        return None
+    return int(token_id)
+
+
+def load_hf_tokenizer(path: str | Path) -> HFTokenizer:
+    """The tokenizer saved in folder `path` (no network: `local_files_only=True`).
+
+    Raises FileNotFoundError when the folder does not exist and ValueError when it holds no
+    tokenizer or the tokenizer cannot be loaded, each naming the folder in one line.
+    """
+    from transformers import AutoTokenizer
+
+    folder = Path(path)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"tokenizer folder {str(folder)!r} does not exist")
+    if not any((folder / name).is_file() for name in _TOKENIZER_FILES):
+        raise ValueError(f"no tokenizer in {str(folder)!r}: expected one of {', '.join(_TOKENIZER_FILES)}")
+    try:
+        hf = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ValueError(f"could not load the tokenizer in {str(folder)!r}: {first_line}") from error
+    return HFTokenizer(hf, folder)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Records
+# ---------------------------------------------------------------------------------------------------
+
+
+def read_records(path: str | Path, prompt_field: str = "question", answer_field: str = "answer") -> list[dict]:
+    """Records of a `.jsonl` file, a `.parquet` file, or a folder of them (files sorted by name).
+
+    Each record is `{"text": str, "answer": str, "metadata": {other fields}, "source": "file:line"}`
+    (Parquet sources say `file:row N`, 1-based). Non-string answers (e.g. ints) become strings.
+    In a folder, files of other extensions and names starting with "." or "_" are ignored.
+    Errors are one-line ValueErrors (FileNotFoundError for a missing path) that name the file.
+    """
+    root = Path(path)
+    if not root.exists():
+        raise FileNotFoundError(f"dataset path {str(root)!r} does not exist")
+    if root.is_dir():
+        files = sorted(
+            p for p in root.iterdir()
+            if p.is_file() and p.suffix.lower() in SUPPORTED_EXTENSIONS and not p.name.startswith((".", "_"))
+        )
+        if not files:
+            raise ValueError(f"empty dataset: no .jsonl or .parquet files in folder {str(root)!r}")
+    else:
+        if root.suffix.lower() not in SUPPORTED_EXTENSIONS:
+            raise ValueError(
+                f"unsupported dataset file extension {root.suffix or '(none)'!r} of {str(root)!r}; "
+                f"expected one of {', '.join(SUPPORTED_EXTENSIONS)}"
+            )
+        files = [root]
+    records: list[dict] = []
+    for file in files:
+        if file.suffix.lower() == ".jsonl":
+            records.extend(_read_jsonl(file, prompt_field, answer_field))
+        else:
+            records.extend(_read_parquet(file, prompt_field, answer_field))
+    if not records:
+        raise ValueError(f"empty dataset: no records in {str(root)!r}")
+    return records
+
+
+def _record(row: Any, where: str, prompt_field: str, answer_field: str) -> dict:
+    if not isinstance(row, Mapping):
+        raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
+    for name in (prompt_field, answer_field):
+        if row.get(name) is None:
+            raise ValueError(f"{where}: missing field {name!r}" + (" (null)" if name in row else ""))
+    text = row[prompt_field]
+    if not isinstance(text, str):
+        raise ValueError(f"{where}: field {prompt_field!r} must be a string, got {type(text).__name__}")
+    answer = row[answer_field]
+    metadata = {k: v for k, v in row.items() if k not in (prompt_field, answer_field)}
+    return {"text": text, "answer": answer if isinstance(answer, str) else str(answer), "metadata": metadata, "source": where}
+
+
+def _read_jsonl(file: Path, prompt_field: str, answer_field: str) -> list[dict]:
+    records = []
+    with open(file, encoding="utf-8") as handle:
+        for line_number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            where = f"{file}:{line_number}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"malformed JSON in {file} line {line_number}: {error.msg} (column {error.colno})") from None
+            records.append(_record(row, where, prompt_field, answer_field))
+    return records
+
+
+def _read_parquet(file: Path, prompt_field: str, answer_field: str) -> list[dict]:
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(file)
+    except Exception as error:  # pyarrow raises ArrowInvalid / OSError for corrupt files
+        raise ValueError(f"could not read Parquet file {file}: {str(error).strip().splitlines()[0]}") from None
+    for name in (prompt_field, answer_field):
+        if name not in table.column_names:
+            raise ValueError(f"{file}: missing field {name!r} (columns: {', '.join(table.column_names)})")
+    return [
+        _record(row, f"{file}:row {i}", prompt_field, answer_field)
+        for i, row in enumerate(table.to_pylist(), start=1)
+    ]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Rendering
+# ---------------------------------------------------------------------------------------------------
+
+
+def _as_ids(result: Any) -> list[int]:
+    """Token ids from apply_chat_template/encode output: a list, a batch of one, or a BatchEncoding."""
+    if isinstance(result, Mapping) or hasattr(result, "input_ids"):
+        result = result["input_ids"]
+    if hasattr(result, "tolist"):
+        result = result.tolist()
+    result = list(result)
+    if result and isinstance(result[0], (list, tuple)):
+        if len(result) != 1:
+            raise ValueError(f"expected the token ids of one prompt, got a batch of {len(result)}")
+        result = list(result[0])
+    return [int(i) for i in result]
+
+
+def render_prompt(
+    record_text: str,
+    tokenizer: Any,
+    system_prompt: str = "",
+    template: str = "",
+    use_chat_template: bool = True,
+    enable_thinking: bool | None = None,
+) -> list[int]:
+    """Prompt token ids of one record.
+
+    - `template` set: `template.format(prompt=record_text, system=system_prompt)` encoded with the
+      tokenizer's default special tokens (e.g. a BOS where the tokenizer adds one).
+    - otherwise, `use_chat_template`: the chat template over an optional system message and the user
+      message, with the generation prompt (`enable_thinking` is passed only when not None).
+    - otherwise: the raw text (`system_prompt + "\\n\\n"` before it when set), encoded the same way.
+    `tokenizer` is an `HFTokenizer` or a plain Hugging Face tokenizer.
+    """
+    hf = tokenizer.hf if isinstance(tokenizer, HFTokenizer) else tokenizer
+    if template:
+        return _as_ids(hf.encode(template.format(prompt=record_text, system=system_prompt)))
+    if use_chat_template:
+        if not getattr(hf, "chat_template", None):
+            raise ValueError("the tokenizer has no chat template; set a prompt template or use_chat_template = false")
+        messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
+            {"role": "user", "content": record_text}
+        ]
+        kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+        return _as_ids(hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs))
+    text = f"{system_prompt}\n\n{record_text}" if system_prompt else record_text
+    return _as_ids(hf.encode(text))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Dataset
+# ---------------------------------------------------------------------------------------------------
+
+
+class PromptDataset:
+    """Rendered prompts of `records` (from `read_records`) with seeded per-epoch shuffling.
+
+    `Prompt.index` is the record's position in file order (stable, also for skipped records, which
+    leave gaps). Prompts longer than `max_prompt_tokens` are skipped and counted (`num_skipped`,
+    `skipped_indices`) with `too_long="skip"`, or raise a ValueError naming the record with "error".
+
+    `batch(step, count)` returns stream positions [step * count, (step + 1) * count) of a stream of
+    epochs, each a permutation of the training prompts; epoch e's permutation comes from
+    `random.Random(f"{seed}-epoch-{e}")`. So every training prompt appears exactly once per epoch and
+    a batch depends only on (seed, step, count). A batch never repeats a prompt (prompt indices key
+    groups): where a batch straddles an epoch boundary, records of the new epoch that the old
+    epoch's tail already put in that batch are swapped to later in the new epoch (still once per
+    epoch). `round_index > 0` reads an independent stream (seed + round) for extra generation rounds.
+
+    `held_out(n)` (or `num_held_out=n`) reserves n prompts, the last n of a shuffle seeded by
+    `f"{seed}-held-out"`, for evaluation; they never appear in training batches. Reserve before the
+    first batch.
+    """
+
+    def __init__(
+        self,
+        records: Sequence[Mapping],
+        tokenizer: Any,
+        *,
+        max_prompt_tokens: int,
+        system_prompt: str = "",
+        template: str = "",
+        use_chat_template: bool = True,
+        enable_thinking: bool | None = None,
+        too_long: str = "skip",
+        seed: int = 0,
+        num_held_out: int = 0,
+    ):
+        if too_long not in ("skip", "error"):
+            raise ValueError(f"too_long must be 'skip' or 'error', got {too_long!r}")
+        if max_prompt_tokens <= 0:
+            raise ValueError(f"max_prompt_tokens must be positive, got {max_prompt_tokens}")
+        if not records:
+            raise ValueError("empty dataset: no records")
+        self.tokenizer, self.seed, self.max_prompt_tokens = tokenizer, seed, max_prompt_tokens
+        self.prompts: list[Prompt] = []
+        self.skipped_indices: list[int] = []
+        for index, record in enumerate(records):
+            token_ids = render_prompt(
+                record["text"], tokenizer, system_prompt, template, use_chat_template, enable_thinking
+            )
+            if len(token_ids) > max_prompt_tokens:
+                if too_long == "error":
+                    source = f" ({record['source']})" if record.get("source") else ""
+                    raise ValueError(
+                        f"prompt {index}{source} has {len(token_ids)} tokens, over max_prompt_tokens={max_prompt_tokens}"
+                    )
+                self.skipped_indices.append(index)
+                continue
+            self.prompts.append(
+                Prompt(index=index, text=record["text"], answer=record["answer"], token_ids=token_ids,
+                       metadata=dict(record.get("metadata", {})))
+            )
+        if not self.prompts:
+            raise ValueError(f"every one of the {len(records)} prompts is over max_prompt_tokens={max_prompt_tokens}")
+        self._train: list[Prompt] = list(self.prompts)
+        self._eval: list[Prompt] = []
+        self._num_held_out: int | None = None
+        self._orders: dict[tuple[int, int], dict[int, list[int]]] = {}
+        self._batched = False
+        if num_held_out:
+            self.held_out(num_held_out)
+
+    @classmethod
+    def from_path(cls, path: str | Path, tokenizer: Any, *, prompt_field: str = "question",
+                  answer_field: str = "answer", **kwargs: Any) -> "PromptDataset":
+        return cls(read_records(path, prompt_field, answer_field), tokenizer, **kwargs)
+
+    @property
+    def num_skipped(self) -> int:
+        return len(self.skipped_indices)
+
+    def __len__(self) -> int:
+        """Number of training prompts (held-out and skipped ones excluded)."""
+        return len(self._train)
+
+    @property
+    def training_prompts(self) -> list[Prompt]:
+        """The training prompts (held-out and skipped ones excluded), in file order."""
+        return list(self._train)
+
+    @property
+    def eval_prompts(self) -> list[Prompt]:
+        """The held-out prompts, in file order ([] until `held_out` is called)."""
+        return list(self._eval)
+
+    def held_out(self, n: int) -> list[Prompt]:
+        """Reserve n prompts for evaluation and return them (file order). Idempotent for the same n."""
+        if self._num_held_out is not None:
+            if n != self._num_held_out:
+                raise ValueError(f"{self._num_held_out} prompts are already held out; cannot hold out {n}")
+            return self.eval_prompts
+        if self._batched:
+            raise ValueError("held_out must be called before the first training batch")
+        if not 0 <= n < len(self.prompts):
+            raise ValueError(f"cannot hold out {n} of {len(self.prompts)} prompts: at least one must stay for training")
+        order = list(range(len(self.prompts)))
+        random.Random(f"{self.seed}-held-out").shuffle(order)
+        held = set(order[len(order) - n:]) if n else set()
+        self._eval = [p for i, p in enumerate(self.prompts) if i in held]
+        self._train = [p for i, p in enumerate(self.prompts) if i not in held]
+        self._num_held_out = n
+        return self.eval_prompts
+
+    def epoch_order(self, epoch: int, count: int = 1, round_index: int = 0) -> list[Prompt]:
+        """The training prompts of one epoch, in batch order (for batches of `count`)."""
+        return [self._train[i] for i in self._order(epoch, count, round_index)]
+
+    def _order(self, epoch: int, count: int, round_index: int) -> list[int]:
+        cache = self._orders.setdefault((count, round_index), {})
+        n = len(self._train)
+        for e in range(len(cache), epoch + 1):  # the cache holds epochs 0 .. len - 1
+            order = list(range(n))
+            tag = f"-round{round_index}" if round_index else ""
+            random.Random(f"{self.seed}{tag}-epoch-{e}").shuffle(order)
+            head = (-(e * n)) % count  # this epoch's items in the batch straddling its start
+            if e > 0 and head:
+                tail = set(cache[e - 1][n - (count - head):])
+                j = head
+                for i in range(head):
+                    if order[i] in tail:
+                        while order[j] in tail:
+                            j += 1
+                        order[i], order[j] = order[j], order[i]
+                        j += 1
+            cache[e] = order
+        return cache[epoch]
+
+    def batch(self, step: int, count: int, round_index: int = 0) -> list[Prompt]:
+        """The `count` training prompts of step `step` (0-based stream position step * count)."""
+        n = len(self._train)
+        if step < 0 or count <= 0:
+            raise ValueError(f"need step >= 0 and count > 0, got step={step}, count={count}")
+        if count > n:
+            raise ValueError(f"batch of {count} prompts is larger than the {n} training prompts")
+        self._batched = True
+        start = step * count
+        out: list[Prompt] = []
+        for position in range(start, start + count):
+            epoch, offset = divmod(position, n)
+            out.append(self._train[self._order(epoch, count, round_index)[offset]])
+        return out
