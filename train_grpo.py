@@ -20,9 +20,10 @@ import torch
 import torch.distributed as dist
 
 from grpo.config import Config, ConfigError, load_config, write_resolved_config
-from grpo.loop import Run, RunAborted, run_loop
+from grpo.loop import DataError, Run, RunAborted, run_loop
 from grpo.roles import build_roles
 from grpo.scorer import Scorer
+from model import CheckpointError, UnsupportedModelError
 from rewards import RewardError
 
 
@@ -77,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         run(cfg)
-    except RewardError as error:
+    except (RewardError, DataError, CheckpointError, UnsupportedModelError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
     except RunAborted:

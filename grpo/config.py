@@ -43,7 +43,7 @@ class JobConfig:
 
 @dataclass
 class ModelConfig:
-    # HF checkpoint folder to train from; not supported yet (the built-in tasks use the built-in tokenizer): keep "" to build the model below
+    # HF checkpoint folder to train from (with data.path); "" builds the tiny model below from scratch
     path: str = ""
     # compute dtype: "auto" (bfloat16 on cuda, float32 on cpu) | "bfloat16" | "float32"; master weights are always float32
     dtype: str = "auto"
@@ -73,6 +73,22 @@ class DataConfig:
     digits_min: int = 4
     # longest digit string of the built-in task
     digits_max: int = 4
+    # JSONL / Parquet file or folder of prompts (needs model.path for the tokenizer); "" = the built-in task
+    path: str = ""
+    # record field holding the prompt text
+    prompt_field: str = "question"
+    # record field holding the reference answer (passed to the reward functions)
+    answer_field: str = "answer"
+    # system message put before each prompt ("" = none)
+    system_prompt: str = ""
+    # prompt layout with a {prompt} placeholder (and {system}); "" = the tokenizer's chat template
+    prompt_template: str = ""
+    # chat templates with a thinking switch (Qwen3): "default" leaves it alone, "on" / "off" set it
+    enable_thinking: str = "default"
+    # longest prompt in tokens after rendering
+    max_prompt_tokens: int = 512
+    # what to do with longer prompts: "skip" (count them) | "error"
+    too_long: str = "skip"
 
 
 @dataclass
@@ -247,6 +263,8 @@ _CHOICES = {
     "job.device": ("auto", "cpu", "cuda"),
     "model.dtype": ("auto", "bfloat16", "float32"),
     "data.task": ("copy_digits", "reverse_digits"),
+    "data.enable_thinking": ("default", "on", "off"),
+    "data.too_long": ("skip", "error"),
     "parallelism.mode": ("split", "colocated"),
     "grpo.loss_type": ("grpo", "dapo", "dr_grpo", "bnpo", "gspo"),
     "grpo.kl_estimator": ("k1", "k2", "k3"),
@@ -388,11 +406,22 @@ def validate_config(cfg: Config, world_size: int) -> None:
             raise ConfigError(f"config key '{key}' must be one of {choices}; got {_toml_value(value)}")
 
     m = cfg.model
-    if m.path:
+    if bool(m.path) != bool(cfg.data.path):
         raise ConfigError(
-            f"model.path = {m.path!r}: training from an HF checkpoint is not supported yet (its tokenizer "
-            "and prompt data are not wired in); leave model.path empty to train the built-in model"
+            "model.path and data.path go together: an HF checkpoint brings the tokenizer a prompt file "
+            "needs, and the built-in tasks use the built-in tokenizer "
+            f"(model.path = {m.path!r}, data.path = {cfg.data.path!r})"
         )
+    if m.path and not (Path(m.path) / "config.json").is_file():
+        raise ConfigError(f"model.path = {m.path!r} has no config.json (expected an HF checkpoint folder)")
+    if cfg.data.path and not Path(cfg.data.path).exists():
+        raise ConfigError(f"data.path = {cfg.data.path!r} does not exist")
+    if cfg.data.path and cfg.grpo.dynamic_sampling:
+        raise ConfigError(
+            "grpo.dynamic_sampling with data.path is not supported yet (extra rounds could redraw a "
+            "prompt of the same step); use it with the built-in tasks"
+        )
+    _require(cfg.data.max_prompt_tokens >= 1, "data.max_prompt_tokens", cfg.data.max_prompt_tokens, "must be >= 1")
     for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim"):
         _require(getattr(m, name) >= 1, f"model.{name}", getattr(m, name), "must be >= 1")
     kv_why = f"must be a multiple of model.n_kv_heads = {m.n_kv_heads}"
@@ -410,7 +439,7 @@ def validate_config(cfg: Config, world_size: int) -> None:
     g = cfg.generation
     _require(g.max_new_tokens >= 1, "generation.max_new_tokens", g.max_new_tokens, "must be >= 1")
     _require(
-        g.max_new_tokens >= d.digits_max,
+        bool(d.path) or g.max_new_tokens >= d.digits_max,
         "generation.max_new_tokens",
         g.max_new_tokens,
         f"cannot hold the longest answer of the built-in task (data.digits_max = {d.digits_max})",

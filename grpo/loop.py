@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from grpo.config import Config
 from grpo.data import CharTokenizer, DigitTask, Prompt
+from grpo.datasets import HFTokenizer, PromptDataset, load_hf_tokenizer
 from grpo.engine import NativeEngine, SamplingParams
 from grpo.episode import EpisodeBatch, compute_advantages, concat_episodes, overlong_penalty, zero_variance_groups
 from grpo.metrics import MetricsLogger
@@ -24,7 +25,7 @@ from grpo.scorer import Scorer
 from grpo.trainer import Trainer
 from grpo.transport import exchange_episodes
 from grpo.weight_sync import WeightSync
-from model import ModelArgs, Transformer
+from model import ModelArgs, Transformer, from_hf
 from model.hf import save_hf
 from rewards import RewardError
 
@@ -61,23 +62,64 @@ def reduce(values: dict[str, float], group: dist.ProcessGroup | None, op=dist.Re
     return dict(zip(values, tensor.tolist()))
 
 
+class DataError(ValueError):
+    """The prompt file or the checkpoint's tokenizer cannot be used; the message names the culprit."""
+
+
+class FileTask:
+    """Prompts from data.path rendered with the checkpoint's tokenizer, with DigitTask's interface:
+    `train_prompts(step, count)` for RL steps 1, 2, ... and `eval_prompts` (held out, never trained on)."""
+
+    def __init__(self, cfg: Config, tokenizer: HFTokenizer):
+        d = cfg.data
+        thinking = {"default": None, "on": True, "off": False}[d.enable_thinking]
+        self.dataset = PromptDataset.from_path(
+            d.path,
+            tokenizer,
+            prompt_field=d.prompt_field,
+            answer_field=d.answer_field,
+            max_prompt_tokens=d.max_prompt_tokens,
+            system_prompt=d.system_prompt,
+            template=d.prompt_template,
+            enable_thinking=thinking,
+            too_long=d.too_long,
+            seed=cfg.job.seed,
+            num_held_out=cfg.eval.num_prompts,
+        )
+        self.eval_prompts = self.dataset.eval_prompts
+
+    def train_prompts(self, step: int, count: int, round_index: int = 0) -> list[Prompt]:
+        return self.dataset.batch(step - 1, count, round_index)
+
+
 class Run:
     """The components of one job on this rank, built according to its role."""
 
     def __init__(self, cfg: Config, device: torch.device, roles: Roles, scorer: Scorer | None):
         self.cfg, self.device, self.roles, self.scorer = cfg, device, roles, scorer
         self.dtype = compute_dtype(cfg, device)
-        self.tokenizer = CharTokenizer()
-        self.task = DigitTask(
-            cfg.data.task, self.tokenizer, cfg.data.digits_min, cfg.data.digits_max, cfg.job.seed, cfg.eval.num_prompts
-        )
-        self.args = args = builtin_model_args(cfg, self.tokenizer.vocab_size)
+        if cfg.model.path:
+            try:
+                self.tokenizer = load_hf_tokenizer(cfg.model.path)
+                self.task = FileTask(cfg, self.tokenizer)
+            except (ValueError, FileNotFoundError) as error:
+                raise DataError(str(error)) from None
+            self.args = args = ModelArgs.from_hf_dir(cfg.model.path)
+        else:
+            self.tokenizer = CharTokenizer()
+            self.task = DigitTask(
+                cfg.data.task, self.tokenizer, cfg.data.digits_min, cfg.data.digits_max, cfg.job.seed, cfg.eval.num_prompts
+            )
+            self.args = args = builtin_model_args(cfg, self.tokenizer.vocab_size)
         self.trainer_group = roles.trainer_mesh.get_group() if roles.trainer_mesh is not None else None
         self.trainer = self.engine = None
         if roles.is_trainer:
             torch.manual_seed(cfg.job.seed)
-            policy = Transformer(args, dtype=torch.float32, device=device)
-            policy.init_weights()
+            if cfg.model.path:
+                policy = from_hf(cfg.model.path, dtype=torch.float32, device=device)
+            else:
+                policy = Transformer(args, dtype=torch.float32, device=device)
+                policy.init_weights()
             reference = None
             if cfg.grpo.kl_coef > 0:
                 # The KL anchor is the policy as it starts: a frozen copy of the initial weights.
@@ -141,6 +183,8 @@ class Run:
         weights = ((name, tensor) for name, _, tensor in self.trainer.full_weights(torch.float32))
         if self.roles.rank == self.roles.leader:
             save_hf(self.args, weights, path)
+            if isinstance(self.tokenizer, HFTokenizer):
+                self.tokenizer.hf.save_pretrained(str(path))
         else:
             for _ in weights:
                 pass

@@ -288,9 +288,14 @@ def test_missing_and_malformed_file(tmp_path):
     assert error("--config", str(path)).startswith(f"cannot parse config file {path}")
 
 
-def test_model_path_is_refused_until_supported():
-    assert error("--model.path=/models/qwen3").startswith(
-        "model.path = '/models/qwen3': training from an HF checkpoint is not supported yet"
+def test_model_path_and_data_path_go_together(tmp_path):
+    assert error("--model.path=/models/qwen3").startswith("model.path and data.path go together")
+    assert error(f"--data.path={tmp_path}").startswith("model.path and data.path go together")
+    message = error(f"--model.path={tmp_path}", f"--data.path={tmp_path}")
+    assert message == f"model.path = '{tmp_path}' has no config.json (expected an HF checkpoint folder)"
+    (tmp_path / "config.json").write_text("{}")
+    assert error(f"--model.path={tmp_path}", f"--data.path={tmp_path / 'missing.jsonl'}") == (
+        f"data.path = '{tmp_path / 'missing.jsonl'}' does not exist"
     )
 
 

@@ -11,47 +11,13 @@ import pytest
 
 from grpo.data import Prompt
 from grpo.datasets import PromptDataset, load_hf_tokenizer, read_records, render_prompt
-
-FIXTURE = Path(__file__).parent / "fixtures" / "gsm8k_sample.jsonl"
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}"
-    "{{- '<|im_start|>assistant\\n' }}"
-    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
-    "{%- endif %}"
-)
-SYSTEM = "Solve the problem. End with #### and the number."
+from tests.hf_fixtures import FIXTURE, SYSTEM, build_tokenizer
 
 
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory) -> Path:
     """A small byte-level BPE trained on the fixture plus chat markup, saved as a Qwen-style HF tokenizer."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    rows = [json.loads(line) for line in FIXTURE.read_text(encoding="utf-8").splitlines()]
-    corpus = [r["question"] for r in rows] + [r["answer"] for r in rows]
-    corpus += [f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"]
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=600, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
-    )
-    bpe.train_from_iterator(corpus, trainer=trainer)
-    hf = PreTrainedTokenizerFast(
-        tokenizer_object=bpe,
-        eos_token="<|endoftext|>",
-        pad_token="<|endoftext|>",
-        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
-    )
-    hf.chat_template = CHAT_TEMPLATE
-    folder = tmp_path_factory.mktemp("tokenizer")
-    hf.save_pretrained(str(folder))
-    return folder
+    return build_tokenizer(tmp_path_factory.mktemp("tokenizer"))
 
 
 @pytest.fixture(scope="module")
