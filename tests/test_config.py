@@ -1,6 +1,7 @@
 import dataclasses
 import re
 import tomllib
+from pathlib import Path
 
 import pytest
 
@@ -302,3 +303,15 @@ def test_model_path_and_data_path_go_together(tmp_path):
 def test_completion_budget_must_hold_the_answer():
     message = error("--generation.max_new_tokens=3")
     assert message.startswith("generation.max_new_tokens = 3 cannot hold the longest answer of the built-in task")
+
+
+def test_gsm8k_recipe_validates_once_its_paths_are_filled(tmp_path):
+    recipe = str(Path(__file__).resolve().parents[1] / "configs" / "qwen3_0.6b_gsm8k.toml")
+    assert "model.path = '/path/to/Qwen3-0.6B' has no config.json" in error("--config", recipe, world_size=8)
+    (tmp_path / "config.json").write_text("{}")
+    data = tmp_path / "train.jsonl"
+    data.write_text("")
+    cfg = load("--config", recipe, f"--model.path={tmp_path}", f"--data.path={data}", world_size=8)
+    assert (cfg.grpo.group_size, cfg.grpo.clip_eps_high, cfg.optimizer.lr) == (8, 0.28, 1e-6)
+    assert (cfg.data.max_prompt_tokens, cfg.generation.max_new_tokens) == (512, 1024)
+    assert (cfg.parallelism.generator_ranks, cfg.rewards.functions) == (2, ["math_accuracy"])
