@@ -324,8 +324,6 @@ class Run:
             train_metrics["grpo/groups_filtered"] = groups["filtered"]
             train_metrics["grpo/groups_trained"] = float(kept_groups)
             train_metrics["grpo/generation_rounds"] = float(round_index + 1)
-        if not self.roles.is_trainer:
-            return {}
         sums = reduce(
             {
                 "reward": float(episodes.rewards.sum()),
