@@ -207,8 +207,12 @@ class ParallelismConfig:
 class EvalConfig:
     # eval every N steps (0 = only at step 0 and the end)
     every: int = 0
-    # held-out prompts, never trained on; greedy decoding
+    # held-out prompts, never trained on
     num_prompts: int = 64
+    # completions per held-out prompt: 1 = greedy; more are sampled with the [generation] settings
+    samples: int = 1
+    # a held-out completion counts as correct (eval/accuracy, eval/pass@k) when its reward reaches this
+    correct_reward: float = 1.0
 
 
 @dataclass
@@ -517,6 +521,7 @@ def validate_config(cfg: Config, world_size: int) -> None:
     _require(e.every >= 0, "eval.every", e.every, "must be >= 0 (0 = only at step 0 and the end)")
     _require(p.entropy_coef >= 0, "grpo.entropy_coef", p.entropy_coef, "must be >= 0")
     _require(e.num_prompts >= 1, "eval.num_prompts", e.num_prompts, "must be >= 1")
+    _require(e.samples >= 1, "eval.samples", e.samples, "must be >= 1 (1 = greedy)")
     every = cfg.checkpoint.export_hf_every
     _require(every >= 0, "checkpoint.export_hf_every", every, "must be >= 0 (0 = export only at the end)")
 

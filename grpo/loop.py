@@ -263,17 +263,35 @@ class Run:
         return episodes.select(torch.isin(episodes.prompt_index, chosen).nonzero().flatten())
 
     def evaluate(self) -> dict[str, float]:
-        """Greedy completions of the held-out prompts, scored on trainer ranks."""
-        prompts = self.task.eval_prompts
-        episodes, _ = self.collect_episodes(prompts, 1, step=0, sampling=self.greedy)
+        """eval.samples completions of each held-out prompt (greedy when 1), scored on trainer ranks.
+
+        eval/accuracy: the fraction of completions whose reward reaches eval.correct_reward;
+        eval/pass@k: the fraction of prompts with at least one such completion among k = eval.samples.
+        Sampling keys use step 0, which no training step uses: every evaluation draws the same noise.
+        """
+        prompts, n = self.task.eval_prompts, self.cfg.eval.samples
+        episodes, _ = self.collect_episodes(prompts, n, step=0, sampling=self.greedy if n == 1 else None)
         self.score(episodes, prompts)
         if not self.roles.is_trainer:
             return {}
+        correct = (episodes.rewards >= self.cfg.eval.correct_reward).float()
+        solved = correct.view(-1, n).amax(dim=1) if len(correct) else correct
         totals = reduce(
-            {"reward": float(episodes.rewards.sum()), "length": float(episodes.completion_lens.sum())},
+            {
+                "reward": float(episodes.rewards.sum()),
+                "length": float(episodes.completion_lens.sum()),
+                "correct": float(correct.sum()),
+                "solved": float(solved.sum()),
+            },
             self.trainer_group,
         )
-        return {"eval/reward_mean": totals["reward"] / len(prompts), "eval/length_mean": totals["length"] / len(prompts)}
+        completions = len(prompts) * n
+        return {
+            "eval/reward_mean": totals["reward"] / completions,
+            "eval/length_mean": totals["length"] / completions,
+            "eval/accuracy": totals["correct"] / completions,
+            "eval/pass@k": totals["solved"] / len(prompts),
+        }
 
     def step(self, step: int) -> dict[str, float]:
         """One RL step; returns the step's metrics on trainer ranks ({} on generator-only ranks).

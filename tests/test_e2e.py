@@ -137,3 +137,26 @@ def test_zero_variance_filter_and_dynamic_sampling(tmp_path):
     # Two trainer ranks sum the loss in another order than one: equal up to fp32 rounding.
     for split_row, colo_row in zip(split_rows, colo_rows):
         assert split_row["loss/policy"] == pytest.approx(colo_row["loss/policy"], rel=1e-5)
+
+
+@pytest.mark.parametrize("samples", [1, 4])
+def test_eval_accuracy_and_pass_at_k(tmp_path, samples):
+    """0/1 rewards: accuracy equals the mean reward; pass@k lies between accuracy and k x accuracy,
+    and equals accuracy for one (greedy) sample."""
+    result = launch(
+        ["--training.steps=2", "--data.prompts_per_step=4", "--grpo.group_size=4", "--eval.num_prompts=16",
+         f"--eval.samples={samples}", "--rewards.functions=[\"tests.fixtures.slow_rewards:starts_like_prompt\"]",
+         "--rewards.num_workers=0", "--parallelism.mode=colocated", f"--job.output_dir={tmp_path}"],
+        nproc=None,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    evals = [r for r in metrics(tmp_path) if "eval/accuracy" in r]
+    assert len(evals) == 2
+    for row in evals:
+        assert row["eval/accuracy"] == pytest.approx(row["eval/reward_mean"])
+        assert row["eval/accuracy"] <= row["eval/pass@k"] <= min(1.0, samples * row["eval/accuracy"]) + 1e-9
+        if samples == 1:
+            assert row["eval/pass@k"] == pytest.approx(row["eval/accuracy"])
+    assert any(0 < row["eval/accuracy"] for row in evals)
+    if samples > 1:
+        assert any(row["eval/pass@k"] > row["eval/accuracy"] for row in evals)
