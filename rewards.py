@@ -1,6 +1,11 @@
 """Reward functions and their loading.
 
 A reward function scores one episode: ``fn(prompt, completion, answer, metadata) -> float``.
+A function decorated with ``@rewards.batched`` (any callable with ``batched = True``) instead scores
+a whole chunk at once: ``fn(prompts, completions, answers, metadata) -> list[float]`` (lists, one
+entry per episode). Either kind may be ``async def``: a chunk's coroutines are awaited concurrently
+(``asyncio.gather``) inside ``asyncio.run``, so async functions must not be called from code that is
+already running an event loop (e.g. a Scorer with ``num_workers == 0`` used inside one).
 ``completion`` is the decoded model output with the EOS stripped; ``answer`` and ``metadata``
 come from the prompt source. Functions run in worker processes, so they must be importable
 module-level callables. Scorer workers import this module to run them, so at module level it
@@ -11,6 +16,7 @@ equivalence for math word problems), ``format_reward`` (regex layout check) and
 ``length_penalty`` (a non-positive length shaping term).
 """
 
+import asyncio
 import functools
 import importlib
 import inspect
@@ -28,6 +34,22 @@ RewardFn = Callable[[str, str, str, dict], float]
 
 class RewardError(ValueError):
     pass
+
+
+def batched(fn):
+    """Mark ``fn`` as a batch reward function: it is called once per chunk of episodes as
+    ``fn(prompts, completions, answers, metadata)`` with lists, and returns one number per episode.
+    It may be ``async def``. Returns ``fn`` itself with ``fn.batched = True``."""
+    fn.batched = True
+    return fn
+
+
+def is_batched(fn) -> bool:
+    return getattr(fn, "batched", False) is True
+
+
+def _is_async(fn) -> bool:
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
 
 
 def digit_match(prompt: str, completion: str, answer: str, metadata: dict) -> float:
@@ -338,25 +360,115 @@ def score_episodes(
     this; errors come back as one-line messages, not exceptions, because an arbitrary exception
     may not pickle and only here is the episode index known.
     """
+    rewards, error, _, _ = score_chunk(spec, start, prompts, completions, answers, metadata, "stop")
+    return rewards, error
+
+
+def score_chunk(
+    spec: str,
+    start: int,
+    prompts: list[str],
+    completions: list[str],
+    answers: list[str],
+    metadata: list[dict],
+    on_error: str = "stop",
+) -> tuple[list[float], str | None, int, str | None]:
+    """Score a chunk of episodes (``start, start + 1, ...``) with one reward function.
+
+    Returns ``(rewards, fatal_error, zeroed, first_error)``. ``fatal_error`` is a one-line message
+    (with ``rewards == []``) for a failure that stops scoring: with ``on_error="stop"`` any failure;
+    with either mode a spec that does not load or a batched function whose result has the wrong
+    length or is not a sequence. With ``on_error="zero"``, an episode whose call raises or returns
+    a non-number / non-finite value scores 0.0 instead; ``zeroed`` counts those episodes and
+    ``first_error`` describes the first one (a batched call that raises zeroes the whole chunk).
+    """
     name = reward_name(spec)
     try:
         fn = _load_cached(spec)
     except RewardError as e:
-        return [], str(e)
-    rewards = []
-    for i, (prompt, completion, answer, meta) in enumerate(zip(prompts, completions, answers, metadata)):
-        where = f"episode {start + i} (prompt {_clip(repr(prompt), 60)}, completion {_clip(repr(completion), 60)})"
+        return [], str(e), 0, None
+    n = len(prompts)
+    columns = (prompts, completions, answers, metadata)
+
+    def where(i: int) -> str:
+        return (
+            f"episode {start + i} (prompt {_clip(repr(prompts[i]), 60)}, "
+            f"completion {_clip(repr(completions[i]), 60)})"
+        )
+
+    def raised(e: BaseException, place: str) -> str:
+        return f"reward function {name!r} raised {_clip(repr(e), 200)} on {place}"
+
+    # outcomes[i] is ("ok", value) or ("raised", exception); values are checked below.
+    if is_batched(fn):
         try:
-            value = fn(prompt, completion, answer, meta)
+            result = fn(*(list(c) for c in columns))
+            if inspect.isawaitable(result):
+                result = asyncio.run(_await(result))
         except Exception as e:
-            return [], f"reward function {name!r} raised {_clip(repr(e), 200)} on {where}"
-        if not isinstance(value, numbers.Real) or not math.isfinite(value):
+            message = raised(e, f"episodes {start}-{start + n - 1}")
+            if on_error == "zero":
+                return [0.0] * n, None, n, message
+            return [], message, 0, None
+        if isinstance(result, (str, bytes, dict)) or not hasattr(result, "__len__") or not hasattr(result, "__iter__"):
             return [], (
+                f"batched reward function {name!r} returned {_clip(repr(result), 60)} ({type(result).__name__}) "
+                f"on episodes {start}-{start + n - 1}; expected a list of {n} numbers"
+            ), 0, None
+        if len(result) != n:
+            return [], (
+                f"batched reward function {name!r} returned {len(result)} rewards for {n} episodes "
+                f"(episodes {start}-{start + n - 1}); expected one per episode"
+            ), 0, None
+        outcomes = [("ok", value) for value in result]
+    elif _is_async(fn):
+        try:
+            results = asyncio.run(_gather(fn, columns))
+        except Exception as e:  # e.g. asyncio.run inside a running event loop
+            message = raised(e, f"episodes {start}-{start + n - 1}")
+            if on_error == "zero":
+                return [0.0] * n, None, n, message
+            return [], message, 0, None
+        outcomes = [("raised", r) if isinstance(r, BaseException) else ("ok", r) for r in results]
+    else:
+        outcomes = None  # called lazily below, so "stop" stops at the first failure
+
+    rewards, zeroed, first_error = [], 0, None
+    for i in range(n):
+        if outcomes is None:
+            try:
+                outcome = ("ok", fn(prompts[i], completions[i], answers[i], metadata[i]))
+            except Exception as e:
+                outcome = ("raised", e)
+        else:
+            outcome = outcomes[i]
+        kind, value = outcome
+        if kind == "raised":
+            if isinstance(value, (KeyboardInterrupt, SystemExit)):
+                raise value
+            message = raised(value, where(i))
+        elif not isinstance(value, numbers.Real) or not math.isfinite(value):
+            message = (
                 f"reward function {name!r} returned {_clip(repr(value), 60)} ({type(value).__name__}) "
-                f"on {where}; expected a finite number"
+                f"on {where(i)}; expected a finite number"
             )
-        rewards.append(float(value))
-    return rewards, None
+        else:
+            rewards.append(float(value))
+            continue
+        if on_error != "zero":
+            return [], message, 0, None
+        rewards.append(0.0)
+        zeroed += 1
+        first_error = first_error or message
+    return rewards, None, zeroed, first_error
+
+
+async def _await(awaitable):
+    return await awaitable
+
+
+async def _gather(fn, columns) -> list:
+    return await asyncio.gather(*(fn(*episode) for episode in zip(*columns)), return_exceptions=True)
 
 
 def _clip(text: str, limit: int) -> str:

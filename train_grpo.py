@@ -60,7 +60,8 @@ def run(cfg: Config) -> None:
             write_resolved_config(cfg, Path(cfg.job.output_dir) / "config.toml")
         scorer = None
         if roles.is_trainer:
-            scorer = Scorer(cfg.rewards.functions, cfg.rewards.weights, cfg.rewards.timeout_s, cfg.rewards.num_workers)
+            r = cfg.rewards
+            scorer = Scorer(r.functions, r.weights, r.timeout_s, r.num_workers, on_error=r.on_error)
         try:
             run_loop(cfg, Run(cfg, device, roles, scorer))
         finally:

@@ -165,6 +165,8 @@ class RewardsConfig:
     timeout_s: float = 10.0
     # reward process pool size
     num_workers: int = 1
+    # a reward call that raises, hangs or returns a non-number: "stop" the run | "zero" (score 0, warn, go on)
+    on_error: str = "stop"
 
 
 @dataclass
@@ -269,6 +271,7 @@ _CHOICES = {
     "data.task": ("copy_digits", "reverse_digits"),
     "data.enable_thinking": ("default", "on", "off"),
     "data.too_long": ("skip", "error"),
+    "rewards.on_error": ("stop", "zero"),
     "parallelism.mode": ("split", "colocated"),
     "grpo.loss_type": ("grpo", "dapo", "dr_grpo", "bnpo", "gspo"),
     "grpo.kl_estimator": ("k1", "k2", "k3"),

@@ -2,17 +2,23 @@
 
 import multiprocessing
 import multiprocessing.pool
-from dataclasses import dataclass
+import sys
+import time
+from dataclasses import dataclass, field
 
 import torch
 
-from rewards import RewardError, load_reward, reward_name, score_episodes
+from rewards import RewardError, _clip, load_reward, reward_name, score_chunk
+
+ON_ERROR_MODES = ("stop", "zero")
 
 
 @dataclass
 class ScoredRewards:
     total: torch.Tensor  # [N] float32, weighted sum over functions
     per_function: dict[str, torch.Tensor]  # name -> [N] float32, unweighted
+    # name -> number of episodes scored 0.0 because the call failed (on_error="zero"; else all 0)
+    errors: dict[str, int] = field(default_factory=dict)
 
 
 class Scorer:
@@ -29,9 +35,30 @@ class Scorer:
 
     Workers are spawned, so they re-import the launching script: it needs an
     ``if __name__ == "__main__":`` guard.
+
+    Batched (``@rewards.batched``) functions get one call per chunk; async functions have a
+    chunk's calls awaited concurrently (see ``rewards``).
+
+    ``on_error="stop"`` (default): any failing call raises ``RewardError``. ``on_error="zero"``: an
+    episode whose call raises or returns a non-number / non-finite value scores 0.0 for that
+    function, and a chunk that times out scores 0.0 for all its episodes (chunks still pending
+    after a timeout get one more ``timeout_s`` in all, then count as timed out too; the pool is
+    terminated and recreated on the next call). ``ScoredRewards.errors`` counts the zeroed
+    episodes per function, and each ``score`` call prints one warning line to stderr per function
+    that had any. Configuration errors (a spec that does not load, a batched result of the wrong
+    length) always raise.
     """
 
-    def __init__(self, functions: list[str], weights: list[float], timeout_s: float, num_workers: int):
+    def __init__(
+        self,
+        functions: list[str],
+        weights: list[float],
+        timeout_s: float,
+        num_workers: int,
+        on_error: str = "stop",
+    ):
+        if on_error not in ON_ERROR_MODES:
+            raise ValueError(f"rewards: on_error must be one of {', '.join(map(repr, ON_ERROR_MODES))}, got {on_error!r}")
         if not functions:
             raise ValueError("rewards: at least one reward function is required")
         if len(weights) != len(functions):
@@ -51,6 +78,7 @@ class Scorer:
         self.weights = [float(w) for w in weights]
         self.timeout_s = timeout_s
         self.num_workers = num_workers
+        self.on_error = on_error
         self._pool = None
         if num_workers > 0:
             # Started now so the workers' start-up overlaps model setup.
@@ -70,15 +98,38 @@ class Scorer:
                 f"{len(answers)} answers, {len(metadata)} metadata"
             )
         episodes = (prompts, completions, answers, metadata)
+        self._errors = {name: 0 for name in self.names}
+        self._first_error: dict[str, str] = {}
         if self.num_workers == 0:
-            values = {name: _unwrap(score_episodes(spec, 0, *episodes)) for spec, name in zip(self.specs, self.names)}
+            values = {
+                name: self._unwrap(name, score_chunk(spec, 0, *episodes, self.on_error))
+                for spec, name in zip(self.specs, self.names)
+            }
         else:
             values = self._score_in_pool(episodes)
         per_function = {name: torch.tensor(values[name], dtype=torch.float32) for name in self.names}
         total = torch.zeros(n, dtype=torch.float32)
         for name, weight in zip(self.names, self.weights):
             total += weight * per_function[name]
-        return ScoredRewards(total=total, per_function=per_function)
+        errors = dict(self._errors)
+        for name, count in errors.items():
+            if count:
+                print(
+                    f"warning: reward function {name!r} failed on {count}/{n} episodes, scored 0.0 "
+                    f"(on_error='zero'); first: {_clip(self._first_error[name], 300)}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+        return ScoredRewards(total=total, per_function=per_function, errors=errors)
+
+    def _unwrap(self, name: str, chunk: tuple[list[float], str | None, int, str | None]) -> list[float]:
+        rewards, error, zeroed, first_error = chunk
+        if error is not None:
+            raise RewardError(error)
+        if zeroed:
+            self._errors[name] += zeroed
+            self._first_error.setdefault(name, first_error)
+        return rewards
 
     def _score_in_pool(self, episodes: tuple[list, list, list, list]) -> dict[str, list[float]]:
         if self._pool is None:  # terminated after a timeout
@@ -90,20 +141,31 @@ class Scorer:
         for spec, name in zip(self.specs, self.names):
             for start, end in bounds:
                 if start < end:
-                    args = (spec, start, *(column[start:end] for column in episodes))
-                    pending.append((name, start, end, self._pool.apply_async(score_episodes, args)))
+                    args = (spec, start, *(column[start:end] for column in episodes), self.on_error)
+                    pending.append((name, start, end, self._pool.apply_async(score_chunk, args)))
         values = {name: [] for name in self.names}
-        for name, start, end, result in pending:
-            try:
-                chunk = result.get(self.timeout_s)
-            except multiprocessing.TimeoutError:
-                # A hung worker cannot be interrupted, only killed, and the pool goes with it.
-                self.close()
-                raise RewardError(
-                    f"reward function {name!r} timed out after {self.timeout_s} s on episodes {start}-{end - 1} "
-                    "(the timeout bounds one chunk of episodes; worker pool terminated)"
-                ) from None
-            values[name].extend(_unwrap(chunk))
+        deadline = None  # set at the first timeout (on_error="zero"): the rest share one more timeout_s
+        try:
+            for name, start, end, result in pending:
+                try:
+                    wait = self.timeout_s if deadline is None else max(0.0, deadline - time.monotonic())
+                    chunk = result.get(wait)
+                except multiprocessing.TimeoutError:
+                    message = (
+                        f"reward function {name!r} timed out after {self.timeout_s} s on episodes {start}-{end - 1} "
+                        "(the timeout bounds one chunk of episodes; worker pool terminated)"
+                    )
+                    if self.on_error != "zero":
+                        # A hung worker cannot be interrupted, only killed, and the pool goes with it.
+                        self.close()
+                        raise RewardError(message) from None
+                    if deadline is None:
+                        deadline = time.monotonic() + self.timeout_s
+                    chunk = ([0.0] * (end - start), None, end - start, message)
+                values[name].extend(self._unwrap(name, chunk))
+        finally:
+            if deadline is not None:
+                self.close()  # a worker may still hang; the pool is recreated on the next call
         return values
 
     def close(self) -> None:
@@ -117,9 +179,3 @@ class Scorer:
     def __exit__(self, *exc_info) -> None:
         self.close()
 
-
-def _unwrap(chunk: tuple[list[float], str | None]) -> list[float]:
-    rewards, error = chunk
-    if error is not None:
-        raise RewardError(error)
-    return rewards

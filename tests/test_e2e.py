@@ -160,3 +160,18 @@ def test_eval_accuracy_and_pass_at_k(tmp_path, samples):
     assert any(0 < row["eval/accuracy"] for row in evals)
     if samples > 1:
         assert any(row["eval/pass@k"] > row["eval/accuracy"] for row in evals)
+
+
+def test_reward_errors_scored_zero_when_asked(tmp_path):
+    """rewards.on_error = "zero": the raising function scores 0, the run goes on and warns."""
+    result = launch(
+        [*SHORT, "--parallelism.mode=split", "--rewards.on_error=zero",
+         "--rewards.functions=[\"digit_match\", \"tests.fixtures.slow_rewards:boom_always\"]", "--rewards.weights=[1.0, 1.0]",
+         f"--job.output_dir={tmp_path}"],
+        nproc=2,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "warning: reward function 'boom_always' failed on" in result.stderr
+    for row in metrics(tmp_path)[1:]:
+        assert row["reward/boom_always"] == 0.0
+        assert row["reward/mean"] == pytest.approx(row["reward/digit_match"])
