@@ -167,6 +167,8 @@ class RewardsConfig:
     num_workers: int = 1
     # a reward call that raises, hangs or returns a non-number: "stop" the run | "zero" (score 0, warn, go on)
     on_error: str = "stop"
+    # the regex format_reward checks the whole completion against ("" = <think>...</think> <answer>...</answer>)
+    format_pattern: str = ""
 
 
 @dataclass

@@ -222,7 +222,10 @@ class Run:
         sums: dict[str, float] = {}
         if self.roles.is_trainer:
             try:
-                sums = score_episodes(self.scorer, episodes, {p.index: p for p in prompts}, self.tokenizer.decode)
+                defaults = {"format_pattern": self.cfg.rewards.format_pattern} if self.cfg.rewards.format_pattern else {}
+                sums = score_episodes(
+                    self.scorer, episodes, {p.index: p for p in prompts}, self.tokenizer.decode, defaults
+                )
             except RewardError as error:
                 failure = error
         failed = self.agree(float(failure is not None))

@@ -66,10 +66,15 @@ def score_episodes(
     episodes: EpisodeBatch,
     prompts: dict[int, Prompt],
     decode: Callable[[list[int]], str],
+    defaults: dict | None = None,
 ) -> dict[str, float]:
-    """Fill episodes.rewards; returns each reward function's sum over these episodes."""
+    """Fill episodes.rewards; returns each reward function's sum over these episodes.
+
+    defaults: metadata every reward call sees unless the prompt's own metadata overrides it
+    (e.g. "format_pattern" for format_reward)."""
     owners = [prompts[int(i)] for i in episodes.prompt_index]
     texts = [decode(episodes.completion(i)) for i in range(len(episodes))]
-    scored = scorer.score([p.text for p in owners], texts, [p.answer for p in owners], [p.metadata for p in owners])
+    metadata = [{**(defaults or {}), **p.metadata} for p in owners]
+    scored = scorer.score([p.text for p in owners], texts, [p.answer for p in owners], metadata)
     episodes.rewards = scored.total
     return {name: float(values.sum()) for name, values in scored.per_function.items()}

@@ -175,3 +175,14 @@ def test_reward_errors_scored_zero_when_asked(tmp_path):
     for row in metrics(tmp_path)[1:]:
         assert row["reward/boom_always"] == 0.0
         assert row["reward/mean"] == pytest.approx(row["reward/digit_match"])
+
+
+def test_format_pattern_from_config(tmp_path):
+    """rewards.format_pattern reaches format_reward: a pattern every digit string matches scores 1,
+    the default think/answer layout scores 0 on the demo's digit completions."""
+    base = [*SHORT, "--parallelism.mode=colocated", '--rewards.functions=["format_reward"]']
+    matching = launch([*base, "--rewards.format_pattern=[0-9=]*", f"--job.output_dir={tmp_path / 'a'}"], nproc=None)
+    default = launch([*base, f"--job.output_dir={tmp_path / 'b'}"], nproc=None)
+    assert matching.returncode == 0 and default.returncode == 0, matching.stderr[-2000:] + default.stderr[-2000:]
+    assert all(r["reward/format_reward"] == 1.0 for r in metrics(tmp_path / "a")[1:])
+    assert all(r["reward/format_reward"] == 0.0 for r in metrics(tmp_path / "b")[1:])
