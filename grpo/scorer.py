@@ -134,6 +134,8 @@ class Scorer:
     def _score_in_pool(self, episodes: tuple[list, list, list, list]) -> dict[str, list[float]]:
         if self._pool is None:  # terminated after a timeout
             self._pool = self._new_pool()
+            # Wait for the new workers to start: their spawn time must not count against the timeout.
+            self._pool.map(abs, range(self.num_workers), chunksize=1)
         n = len(episodes[0])
         bounds = [(n * k // self.num_workers, n * (k + 1) // self.num_workers) for k in range(self.num_workers)]
         # Submit every chunk first so all workers are busy, then collect in order.
