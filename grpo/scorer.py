@@ -85,6 +85,7 @@ class Scorer:
             self._pool = self._new_pool()
 
     def _new_pool(self) -> multiprocessing.pool.Pool:
+        self._pool_ready = False
         # spawn, not fork: forking a process that holds CUDA state or torch threads is unsafe.
         return multiprocessing.get_context("spawn").Pool(self.num_workers)
 
@@ -134,8 +135,10 @@ class Scorer:
     def _score_in_pool(self, episodes: tuple[list, list, list, list]) -> dict[str, list[float]]:
         if self._pool is None:  # terminated after a timeout
             self._pool = self._new_pool()
-            # Wait for the new workers to start: their spawn time must not count against the timeout.
+        if not self._pool_ready:
+            # Wait for the workers to start: their spawn time must not count against the timeout.
             self._pool.map(abs, range(self.num_workers), chunksize=1)
+            self._pool_ready = True
         n = len(episodes[0])
         bounds = [(n * k // self.num_workers, n * (k + 1) // self.num_workers) for k in range(self.num_workers)]
         # Submit every chunk first so all workers are busy, then collect in order.
