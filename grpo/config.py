@@ -195,6 +195,8 @@ class TrainingConfig:
     steps: int = 150
     # episodes per forward/backward on each trainer rank
     micro_batch_size: int = 512
+    # consecutive steps with a skipped update (non-finite loss or gradient norm) before the run stops, saving its state
+    max_bad_steps: int = 3
 
 
 @dataclass
@@ -205,6 +207,8 @@ class ParallelismConfig:
     generator_ranks: int = 1
     # split mode: size of one weight-sync bucket (MiB); no rank holds more than one beyond its own shard
     weight_bucket_mb: int = 256
+    # seconds any collective or transfer may wait for other ranks before the job stops, naming whom it waited on
+    collective_timeout_s: float = 600.0
 
 
 @dataclass
@@ -221,14 +225,36 @@ class EvalConfig:
 
 @dataclass
 class CheckpointConfig:
+    # save a resumable checkpoint to <job.output_dir>/checkpoints/step_N every N steps; 0 = only at the end (and when stopped)
+    every: int = 50
+    # checkpoints kept on disk, oldest deleted first; 0 = keep all
+    keep: int = 2
+    # "auto" (continue from the latest complete checkpoint in job.output_dir, if any) | "never" | a checkpoint folder
+    resume: str = "auto"
     # write the policy as an HF folder (safetensors + config.json) to <job.output_dir>/hf/step_N every N steps; 0 = only at the end
     export_hf_every: int = 0
 
 
 @dataclass
 class MetricsConfig:
-    # one line per step on the first trainer rank
+    # per-step progress on the first trainer rank
     console: bool = True
+    # a live progress bar when stdout is a terminal; plain lines otherwise (CI, SLURM logs)
+    progress_bar: bool = True
+    # also write TensorBoard event files to <job.output_dir>/tensorboard (needs the tensorboard package)
+    tensorboard: bool = False
+    # also log to Weights & Biases (needs the wandb package)
+    wandb: bool = False
+    # W&B project name
+    wandb_project: str = "tandem"
+    # W&B mode: "" (W&B's own default, honouring WANDB_MODE) | "online" | "offline"
+    wandb_mode: str = ""
+    # write a few prompts with their completions, rewards and advantages to samples.jsonl every N steps; 0 = never
+    samples_every: int = 10
+    # prompts (whole groups) per samples record
+    samples_prompts: int = 2
+    # peak accelerator TFLOP/s per rank for MFU; 0 = the built-in table for the device (no MFU where it has no entry)
+    peak_tflops: float = 0.0
 
 
 @dataclass
@@ -281,6 +307,7 @@ _CHOICES = {
     "grpo.scale_rewards": ("group", "batch", "none"),
     "grpo.tis_level": ("token", "sequence"),
     "grpo.tis_mode": ("truncate", "mask"),
+    "metrics.wandb_mode": ("", "online", "offline"),
 }
 
 
@@ -527,12 +554,26 @@ def validate_config(cfg: Config, world_size: int) -> None:
     _require(p.entropy_coef >= 0, "grpo.entropy_coef", p.entropy_coef, "must be >= 0")
     _require(e.num_prompts >= 1, "eval.num_prompts", e.num_prompts, "must be >= 1")
     _require(e.samples >= 1, "eval.samples", e.samples, "must be >= 1 (1 = greedy)")
-    every = cfg.checkpoint.export_hf_every
-    _require(every >= 0, "checkpoint.export_hf_every", every, "must be >= 0 (0 = export only at the end)")
+    c = cfg.checkpoint
+    _require(c.export_hf_every >= 0, "checkpoint.export_hf_every", c.export_hf_every, "must be >= 0 (0 = export only at the end)")
+    _require(c.every >= 0, "checkpoint.every", c.every, "must be >= 0 (0 = only at the end)")
+    _require(c.keep >= 0, "checkpoint.keep", c.keep, "must be >= 0 (0 = keep all)")
+    _require(
+        c.resume in ("auto", "never") or Path(c.resume).is_dir(),
+        "checkpoint.resume",
+        c.resume,
+        'must be "auto", "never" or an existing checkpoint folder',
+    )
+    _require(t.max_bad_steps >= 1, "training.max_bad_steps", t.max_bad_steps, "must be >= 1")
+    mt = cfg.metrics
+    _require(mt.samples_every >= 0, "metrics.samples_every", mt.samples_every, "must be >= 0 (0 = never)")
+    _require(mt.samples_prompts >= 1, "metrics.samples_prompts", mt.samples_prompts, "must be >= 1")
+    _require(mt.peak_tflops >= 0, "metrics.peak_tflops", mt.peak_tflops, "must be >= 0 (0 = built-in table)")
 
     prompts = d.prompts_per_step
     par = cfg.parallelism
     _require(par.weight_bucket_mb >= 1, "parallelism.weight_bucket_mb", par.weight_bucket_mb, "must be >= 1")
+    _require(par.collective_timeout_s > 0, "parallelism.collective_timeout_s", par.collective_timeout_s, "must be > 0")
     if par.mode == "colocated":
         _require_multiple(
             prompts, world_size, f"world size {world_size}", "colocated mode: every rank generates an equal share"
