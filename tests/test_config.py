@@ -103,8 +103,8 @@ def test_unknown_section_suggests_closest():
 
 
 def test_unknown_key_without_close_match_lists_section_keys():
-    message = error("--checkpoint.xyz=1")
-    assert message.startswith("unknown config key 'checkpoint.xyz'")
+    message = error("--checkpoint.qqqqqqqqqqqqqqqqqqqqqqqq=1")
+    assert message.startswith("unknown config key 'checkpoint.qqqqqqqqqqqqqqqqqqqqqqqq'")
     assert "every, keep, resume, export_hf_every" in message
 
 
