@@ -4,10 +4,15 @@ Sampling is a Gumbel-max draw whose noise is a hash of (seed, step, prompt index
 position, token id): a completion depends only on its key and the weights, never on which other
 requests share its batch. Log-probs are log softmax(logits / temperature) over the full vocabulary
 (top-k / top-p only restrict which tokens may be drawn).
+
+Out of memory: a batch that runs out of device memory is retried in halves (the engine keeps the
+smaller batch size), which changes no completion since sampling does not depend on batching; only
+a single request that does not fit stops generation, with `GenerationOutOfMemory`.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -19,6 +24,10 @@ _M32 = 0xFFFFFFFF
 
 # (parameter name, index into it as a tuple of slices, values): one piece of a weight update.
 WeightUpdate = tuple[str, tuple[slice, ...], torch.Tensor]
+
+
+class GenerationOutOfMemory(RuntimeError):
+    """A single request does not fit in the generator's memory (its prompt plus max_new_tokens)."""
 
 
 @dataclass
@@ -145,9 +154,38 @@ class NativeEngine:
             end = start
             while end < len(queued) and end - start < self.max_batch_size and queued[end][1] == sampling:
                 end += 1
-            finished.extend(self._generate_batch([r for r, _ in queued[start:end]], sampling))
+            batch = [r for r, _ in queued[start:end]]
+            try:
+                completions = self._generate_batch(batch, sampling)
+            except torch.OutOfMemoryError as exc:
+                if len(batch) == 1:
+                    prompt = len(batch[0].prompt_tokens)
+                    raise GenerationOutOfMemory(
+                        f"generator: out of memory on a single request (prompt of {prompt} tokens, "
+                        f"max_new_tokens {sampling.max_new_tokens}); lower generation.max_new_tokens or "
+                        f"data.max_prompt_tokens, or give the generator more memory"
+                    ) from exc
+                completions = None
+            if completions is None:
+                # Past the handler, the traceback no longer holds the failed batch's tensors: they are freed.
+                self._shrink_batches(len(batch))
+                continue
+            finished.extend(completions)
             start = end
         return finished
+
+    def _shrink_batches(self, failed: int) -> None:
+        """After a batch of `failed` requests ran out of memory: release cached memory and halve
+        the batch size for this and later polls."""
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        # Half the failed batch, not of max_batch_size: a short last batch may be far below the maximum.
+        self.max_batch_size = failed // 2
+        print(
+            f"generator: out of memory with a batch of {failed} requests; retrying with batches of {self.max_batch_size}",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def generate(self, requests: Iterable[GenerationRequest], sampling: SamplingParams | None = None) -> list[Completion]:
         self.submit(requests, sampling)

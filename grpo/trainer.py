@@ -4,6 +4,10 @@ Gradient normalisation: each minibatch's loss is the sum of per-token losses ove
 tokens of every trainer rank, divided by that global token count. FSDP2 averages gradients over
 the mesh, so each rank scales its share by the mesh size: the reduced gradient is then exactly
 the gradient of the whole minibatch in one process, however it is split into micro-batches and ranks.
+
+Non-finite updates: an optimizer step whose minibatch loss or global gradient norm is NaN or inf is
+skipped on every trainer rank alike (weights and optimizer state untouched), counted in the
+"train/skipped_updates" metric and described in `Trainer.last_skip_reason`.
 """
 
 from __future__ import annotations
@@ -102,6 +106,8 @@ class Trainer:
             lambda step: lr_factor(step, optim.warmup_steps, total_steps, optim.min_lr_ratio),
         )
         self.group = mesh.get_group()
+        # Why the last train() call skipped an update ("" when it skipped none).
+        self.last_skip_reason = ""
 
     def full_weights(self, dtype: torch.dtype) -> Iterator[tuple[str, tuple[slice, ...], torch.Tensor]]:
         """Whole parameters cast to dtype as engine weight updates, one at a time.
@@ -176,10 +182,17 @@ class Trainer:
                         mb.ref_logprobs = logprobs
         totals: dict[str, float] = {}
         maxima = dict(ratio_max=0.0, diff=0.0)
-        loss_sum, diff_sum, grad_norms = 0.0, 0.0, []
+        diff_sum = 0.0
+        # Global minibatch losses and gradient norms of the updates that were applied.
+        losses: list[float] = []
+        grad_norms: list[float] = []
+        skipped = 0
+        self.last_skip_reason = ""
+        updates = self.grpo.num_iterations * self.grpo.minibatches
         norms = [self._normalizers(micro_batches) for micro_batches in minibatches]
         for iteration in range(self.grpo.num_iterations):
-            for micro_batches, norm in zip(minibatches, norms):
+            for m, (micro_batches, norm) in enumerate(zip(minibatches, norms)):
+                local_loss = 0.0
                 for mb in micro_batches:
                     out = self._forward(mb.rows)
                     if mb.rows is None:
@@ -202,7 +215,7 @@ class Trainer:
                         norm,
                     )
                     (terms.loss * norm.world_size).backward()
-                    loss_sum += float(terms.loss.detach())
+                    local_loss += float(terms.loss.detach())
                     for key, value in terms.stats.items():
                         if key == "ratio_max":
                             maxima["ratio_max"] = max(maxima["ratio_max"], float(value))
@@ -212,26 +225,33 @@ class Trainer:
                         diff = (old - gen).abs() * mask
                         diff_sum += float(diff.sum())
                         maxima["diff"] = max(maxima["diff"], float(diff.max()))
-                grad_norms.append(self._optimizer_step())
+                loss, grad_norm, reason = self._update(local_loss)
+                if reason:
+                    skipped += 1
+                    self.last_skip_reason = f"{reason} in update {iteration * len(minibatches) + m + 1} of {updates}"
+                else:
+                    losses.append(loss)
+                    grad_norms.append(grad_norm)
+        # The schedule follows RL steps, not applied updates: a skipped update does not delay it.
         lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
 
         keys = sorted(totals)
         summed = dict(zip(keys, self._all_reduce([totals[k] for k in keys]))) if keys else {}
-        loss_total, diff_total = self._all_reduce([loss_sum, diff_sum])
+        (diff_total,) = self._all_reduce([diff_sum])
         ratio_max, diff_max = self._all_reduce(list(maxima.values()), op=dist.ReduceOp.MAX)
         tokens = max(summed.get("tokens", 0.0), 1.0)
-        updates = self.grpo.num_iterations * self.grpo.minibatches
         metrics = {
-            "loss/policy": loss_total / updates,
+            "loss/policy": _mean(losses),
             "loss/clip_frac": summed.get("clipped", 0.0) / tokens,
             "loss/ratio_mean": summed.get("ratio_sum", 0.0) / tokens,
             "loss/ratio_max": ratio_max,
             "loss/entropy": summed.get("entropy_sum", 0.0) / tokens,
-            "loss/grad_norm": sum(grad_norms) / len(grad_norms),
+            "loss/grad_norm": _mean(grad_norms),
             "logprob_diff/mean": diff_total / (tokens / self.grpo.num_iterations),
             "logprob_diff/max": diff_max,
             "optimizer/lr": lr,
+            "train/skipped_updates": float(skipped),
         }
         if self.reference is not None:
             metrics["loss/kl"] = summed.get("kl_sum", 0.0) / tokens
@@ -257,11 +277,34 @@ class Trainer:
             world_size=self.mesh.size(),
         )
 
+    def _update(self, local_loss: float) -> tuple[float, float, str]:
+        """Apply one minibatch's accumulated gradients, unless its loss or their global norm is
+        non-finite. Returns (global minibatch loss, global gradient norm, "" or why
+        the update was skipped); every trainer rank returns the same. Collective."""
+        # The loss is this rank's share: summing the shares makes it global, and a NaN or inf on any
+        # rank then reaches every rank, so all decide alike (the gradient norm is global already).
+        (loss,) = self._all_reduce([local_loss])
+        if not math.isfinite(loss):
+            self.optimizer.zero_grad(set_to_none=True)
+            return loss, float("nan"), f"non-finite loss ({loss})"
+        grad_norm = self._optimizer_step()
+        return loss, grad_norm, "" if math.isfinite(grad_norm) else f"non-finite gradient norm ({grad_norm})"
+
     def _optimizer_step(self) -> float:
+        """Clip and apply the accumulated gradients, or only discard them when their global norm is
+        non-finite; returns that norm."""
         max_norm = self.optim.max_grad_norm if self.optim.max_grad_norm > 0 else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
-        self.optimizer.step()
+        norm = float(norm)
+        if math.isfinite(norm):
+            self.optimizer.step()
+        # Also when skipped: those gradients (NaN, or scaled by a NaN clip factor) must not reach the next update.
         self.optimizer.zero_grad(set_to_none=True)
-        return float(norm)
+        return norm
+
+
+def _mean(values: list[float]) -> float:
+    """Mean of values; NaN for none (the metrics logger drops NaN)."""
+    return sum(values) / len(values) if values else float("nan")
