@@ -14,13 +14,16 @@ import os
 import socket
 import sys
 from contextlib import closing
+from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from grpo.checkpoint import CheckpointMismatch, find_resume
 from grpo.config import Config, ConfigError, load_config, write_resolved_config
-from grpo.loop import DataError, Run, RunAborted, run_loop
+from grpo.faults import CollectiveTimeout, GracefulStop, StartupError, check_output_dir
+from grpo.loop import DataError, Run, RunAborted, TrainingDiverged, run_loop
 from grpo.roles import build_roles
 from grpo.scorer import Scorer
 from model import CheckpointError, UnsupportedModelError
@@ -37,22 +40,31 @@ def init_distributed(cfg: Config) -> torch.device:
     """Join the process group (a one-rank group when not launched by torchrun) and pick the device."""
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    timeout = timedelta(seconds=cfg.parallelism.collective_timeout_s)
     use_cuda = cfg.job.device == "cuda" or (cfg.job.device == "auto" and torch.cuda.is_available())
     if use_cuda:
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
         # nccl for CUDA tensors (weights), gloo for CPU tensors (episodes, control, metrics).
-        dist.init_process_group("cuda:nccl,cpu:gloo", device_id=device)
+        dist.init_process_group("cuda:nccl,cpu:gloo", device_id=device, timeout=timeout)
     else:
         device = torch.device("cpu")
-        dist.init_process_group("gloo")
+        dist.init_process_group("gloo", timeout=timeout)
     return device
 
 
 def run(cfg: Config) -> None:
     device = init_distributed(cfg)
     try:
-        roles = build_roles(cfg.parallelism.mode, cfg.parallelism.generator_ranks, device)
+        roles = build_roles(
+            cfg.parallelism.mode,
+            cfg.parallelism.generator_ranks,
+            device,
+            timedelta(seconds=cfg.parallelism.collective_timeout_s),
+        )
+        # Start-up checks come before any model is built or loaded.
+        check_output_dir(cfg.job.output_dir, roles.rank)
+        resume = find_resume(cfg.job.output_dir, cfg.checkpoint.resume, announce=roles.rank == roles.leader)
         if cfg.job.deterministic:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True)
@@ -63,7 +75,8 @@ def run(cfg: Config) -> None:
             r = cfg.rewards
             scorer = Scorer(r.functions, r.weights, r.timeout_s, r.num_workers, on_error=r.on_error)
         try:
-            run_loop(cfg, Run(cfg, device, roles, scorer))
+            with GracefulStop() as stop:
+                run_loop(cfg, Run(cfg, device, roles, scorer, resume), resume, stop)
         finally:
             if scorer is not None:
                 scorer.close()
@@ -79,7 +92,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         run(cfg)
-    except (RewardError, DataError, CheckpointError, UnsupportedModelError) as error:
+    except (
+        RewardError,
+        DataError,
+        CheckpointError,
+        UnsupportedModelError,
+        CheckpointMismatch,
+        StartupError,
+        CollectiveTimeout,
+        TrainingDiverged,
+    ) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
     except RunAborted:

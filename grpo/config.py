@@ -229,7 +229,7 @@ class CheckpointConfig:
     every: int = 50
     # checkpoints kept on disk, oldest deleted first; 0 = keep all
     keep: int = 2
-    # "auto" (continue from the latest complete checkpoint in job.output_dir, if any) | "never" | a checkpoint folder
+    # "auto" (continue from the latest complete checkpoint in job.output_dir, if any) | "none" (start fresh) | a checkpoint folder
     resume: str = "auto"
     # write the policy as an HF folder (safetensors + config.json) to <job.output_dir>/hf/step_N every N steps; 0 = only at the end
     export_hf_every: int = 0
@@ -559,10 +559,10 @@ def validate_config(cfg: Config, world_size: int) -> None:
     _require(c.every >= 0, "checkpoint.every", c.every, "must be >= 0 (0 = only at the end)")
     _require(c.keep >= 0, "checkpoint.keep", c.keep, "must be >= 0 (0 = keep all)")
     _require(
-        c.resume in ("auto", "never") or Path(c.resume).is_dir(),
+        c.resume in ("auto", "none") or Path(c.resume).is_dir(),
         "checkpoint.resume",
         c.resume,
-        'must be "auto", "never" or an existing checkpoint folder',
+        'must be "auto", "none" or an existing checkpoint folder',
     )
     _require(t.max_bad_steps >= 1, "training.max_bad_steps", t.max_bad_steps, "must be >= 1")
     mt = cfg.metrics

@@ -7,17 +7,27 @@ role (generator, trainer, or both when colocated).
 from __future__ import annotations
 
 import math
+import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from grpo.checkpoint import (
+    check_matches,
+    checkpoint_bytes,
+    checkpoint_root,
+    export_hf,
+    load_checkpoint,
+    save_checkpoint,
+)
 from grpo.config import Config
 from grpo.data import CharTokenizer, DigitTask, Prompt
 from grpo.datasets import HFTokenizer, PromptDataset, load_hf_tokenizer
 from grpo.engine import NativeEngine, SamplingParams
 from grpo.episode import EpisodeBatch, compute_advantages, concat_episodes, overlong_penalty, zero_variance_groups
+from grpo.faults import GracefulStop, check_free_disk, restart_count, waiting_for
 from grpo.metrics import MetricsLogger
 from grpo.roles import Roles
 from grpo.rollout import generate_episodes, score_episodes
@@ -26,12 +36,15 @@ from grpo.trainer import Trainer
 from grpo.transport import exchange_episodes
 from grpo.weight_sync import WeightSync
 from model import ModelArgs, Transformer, from_hf
-from model.hf import save_hf
 from rewards import RewardError
 
 
 class RunAborted(RuntimeError):
     """Another rank hit an error; this rank stops at the same step without a message of its own."""
+
+
+class TrainingDiverged(RuntimeError):
+    """training.max_bad_steps consecutive steps had a non-finite loss or gradient norm."""
 
 
 def compute_dtype(cfg: Config, device: torch.device) -> torch.dtype:
@@ -95,7 +108,11 @@ class FileTask:
 class Run:
     """The components of one job on this rank, built according to its role."""
 
-    def __init__(self, cfg: Config, device: torch.device, roles: Roles, scorer: Scorer | None):
+    def __init__(
+        self, cfg: Config, device: torch.device, roles: Roles, scorer: Scorer | None, resume: Path | None = None
+    ):
+        """`resume`: the checkpoint this run continues from; it is checked against the model's
+        shapes here, before any model is built."""
         self.cfg, self.device, self.roles, self.scorer = cfg, device, roles, scorer
         self.dtype = compute_dtype(cfg, device)
         if cfg.model.path:
@@ -111,6 +128,13 @@ class Run:
                 cfg.data.task, self.tokenizer, cfg.data.digits_min, cfg.data.digits_max, cfg.job.seed, cfg.eval.num_prompts
             )
             self.args = args = builtin_model_args(cfg, self.tokenizer.vocab_size)
+        with torch.device("meta"):
+            shapes = {name: tuple(p.shape) for name, p in Transformer(args).named_parameters()}
+        if resume is not None:
+            check_matches(resume, shapes)
+        check_free_disk(cfg.job.output_dir, checkpoint_bytes(args))
+        role = "colocated" if not roles.split else "generator" if roles.is_generator else "trainer"
+        self.who = f"{role} rank {roles.rank}"
         self.trainer_group = roles.trainer_mesh.get_group() if roles.trainer_mesh is not None else None
         self.trainer = self.engine = None
         if roles.is_trainer:
@@ -153,8 +177,6 @@ class Run:
                 stop_strings=gen.stop,
                 decode_text=self.tokenizer.decode,
             )
-        with torch.device("meta"):
-            shapes = {name: tuple(p.shape) for name, p in Transformer(args).named_parameters()}
         self.weight_bytes = sum(math.prod(s) for s in shapes.values()) * torch.empty((), dtype=self.dtype).element_size()
         self.weight_sync = None
         if roles.split:
@@ -166,28 +188,36 @@ class Run:
     def sync_weights(self, version: int) -> float:
         """Push the trainer's weights into every engine; returns the seconds it took."""
         start = time.perf_counter()
+        generators, trainers = self.peers()
         if not self.roles.split:
-            self.engine.update_weights([self.trainer.full_weights(self.dtype)], version)
+            with self.waiting(f"the other ranks' weight shards ({trainers})"):
+                self.engine.update_weights([self.trainer.full_weights(self.dtype)], version)
         elif self.roles.is_trainer:
-            self.weight_sync.send(dict(self.trainer.model.named_parameters()))
+            with self.waiting(f"{generators} to take the weights"):
+                self.weight_sync.send(dict(self.trainer.model.named_parameters()))
         else:
-            self.weight_sync.receive(self.engine, version)
+            with self.waiting(f"the weights from {trainers} (they train first)"):
+                self.weight_sync.receive(self.engine, version)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter() - start
 
     def export_hf(self, path: Path) -> None:
-        """Write the fp32 master weights as an HF folder from the first trainer rank. Collective over trainers."""
+        """Write the fp32 policy as an HF folder from the first trainer rank. Collective over trainers."""
         if not self.roles.is_trainer:
             return
-        weights = ((name, tensor) for name, _, tensor in self.trainer.full_weights(torch.float32))
-        if self.roles.rank == self.roles.leader:
-            save_hf(self.args, weights, path)
-            if isinstance(self.tokenizer, HFTokenizer):
-                self.tokenizer.hf.save_pretrained(str(path))
-        else:
-            for _ in weights:
-                pass
+        save_tokenizer = None
+        if isinstance(self.tokenizer, HFTokenizer):
+            save_tokenizer = lambda folder: self.tokenizer.hf.save_pretrained(str(folder))  # noqa: E731
+        export_hf(self.trainer, self.args, save_tokenizer, path, self.roles.rank == self.roles.leader)
+
+    def waiting(self, what: str):
+        """Name this rank and `what` it waits for if a collective inside the block times out."""
+        return waiting_for(self.who, what, self.cfg.parallelism.collective_timeout_s)
+
+    def peers(self) -> tuple[str, str]:
+        """How this rank names the ranks it waits on: (generator ranks, trainer ranks)."""
+        return f"generator ranks {self.roles.generator_ranks}", f"trainer ranks {self.roles.trainer_ranks}"
 
     def collect_episodes(
         self, prompts: list[Prompt], group_size: int, step: int, sampling: SamplingParams | None = None
@@ -202,9 +232,13 @@ class Run:
             start = time.perf_counter()
             batch = generate_episodes(self.engine, mine, group_size, step, self.tokenizer.pad_id, sampling)
             generate_s = time.perf_counter() - start
+        generator_names, trainer_names = self.peers()
         if roles.split:
-            return exchange_episodes(batch, roles, math.ceil(len(prompts) / generators), generate_s)
-        return batch, reduce({"t": generate_s}, None, dist.ReduceOp.MAX)["t"]
+            what = f"episodes from {generator_names}" if roles.is_trainer else f"the episode exchange with {trainer_names}"
+            with self.waiting(what):
+                return exchange_episodes(batch, roles, math.ceil(len(prompts) / generators), generate_s)
+        with self.waiting("the other ranks' generation"):
+            return batch, reduce({"t": generate_s}, None, dist.ReduceOp.MAX)["t"]
 
     def agree(self, value: float, op=dist.ReduceOp.MAX) -> float:
         """Reduce a trainer-side value over the trainer ranks and hand the result to every rank."""
@@ -218,6 +252,10 @@ class Run:
 
     def score(self, episodes: EpisodeBatch, prompts: list[Prompt]) -> dict[str, float]:
         """Rewards on trainer ranks; every rank (generators too) learns whether any trainer failed."""
+        with self.waiting(f"the rewards of {self.peers()[1]}"):
+            return self._score(episodes, prompts)
+
+    def _score(self, episodes: EpisodeBatch, prompts: list[Prompt]) -> dict[str, float]:
         failure = None
         sums: dict[str, float] = {}
         if self.roles.is_trainer:
@@ -334,7 +372,8 @@ class Run:
         train_start = time.perf_counter()
         train_metrics = {}
         if self.roles.is_trainer:
-            train_metrics = self.trainer.train(concat_episodes(kept, self.tokenizer.pad_id))
+            with self.waiting(f"the other {self.peers()[1]} (FSDP collectives)"):
+                train_metrics = self.trainer.train(concat_episodes(kept, self.tokenizer.pad_id))
         train_end = time.perf_counter()
         sync_s = self.sync_weights(step)
         if not self.roles.is_trainer:
@@ -379,29 +418,97 @@ class Run:
         }
 
 
-def run_loop(cfg: Config, job: Run) -> None:
-    """Sync weights, evaluate, then training steps with exports and a final evaluation and summary."""
+def run_loop(cfg: Config, job: Run, resume: Path | None = None, stop: GracefulStop | None = None) -> None:
+    """Sync weights, evaluate, then training steps with checkpoints, exports and a final evaluation.
+
+    Every step ends at a boundary all ranks agree on: whether a stop signal arrived on any rank and
+    whether the step skipped an update. A stop saves a checkpoint and returns; training.max_bad_steps
+    bad steps in a row save one and raise TrainingDiverged.
+    """
     start = time.perf_counter()
     roles = job.roles
     is_leader = roles.rank == roles.leader
-    logger = MetricsLogger(cfg.job.output_dir, is_leader, cfg.metrics.console, cfg.training.steps)
-    job.sync_weights(version=0)
-    first_eval = last_eval = job.evaluate()
-    logger.log(0, first_eval)
-    for step in range(1, cfg.training.steps + 1):
-        metrics = job.step(step)
-        if step == cfg.training.steps or (cfg.eval.every and step % cfg.eval.every == 0):
-            last_eval = job.evaluate()
-            metrics.update(last_eval)
-        logger.log(step, metrics)
-        every = cfg.checkpoint.export_hf_every
-        if step == cfg.training.steps or (every and step % every == 0):
-            job.export_hf(Path(cfg.job.output_dir) / "hf" / f"step_{step}")
-    if is_leader:
+    root = checkpoint_root(cfg.job.output_dir)
+    start_step, bad_steps, evals = 0, 0, {}
+    if resume is not None:
+        state = load_checkpoint(resume, job.trainer, job.trainer_group)
+        start_step, bad_steps, evals = state["step"], state["bad_steps"], state["evals"]
+        if is_leader:
+            restarted = f" (torchrun restart {restart_count()})" if restart_count() else ""
+            print(f"resuming from {resume} at step {start_step}{restarted}", flush=True)
+            if state["data_position"] != _data_position(cfg, start_step):
+                print(
+                    f"warning: the prompt stream differs from the checkpoint's ({state['data_position']}); "
+                    "the remaining steps see other prompts than the original run would have",
+                    file=sys.stderr,
+                    flush=True,
+                )
+    logger = MetricsLogger(cfg.job.output_dir, is_leader, cfg.metrics, cfg.training.steps, start_step=start_step)
+
+    def save(step: int) -> Path:
+        run_state = {"step": step, "policy_version": step, "data_position": _data_position(cfg, step)}
+        run_state.update(bad_steps=bad_steps, evals=evals)
+        with job.waiting("the checkpoint save on every rank"):
+            return save_checkpoint(
+                root, step, job.trainer, job.trainer_group, run_state, is_leader, cfg.checkpoint.keep
+            )
+
+    with logger:
+        job.sync_weights(version=start_step)
+        if start_step == 0:
+            evals = {"first": job.evaluate(), "last": None}
+            evals["last"] = evals["first"]
+            logger.log(0, evals["first"])
+        elif start_step >= cfg.training.steps and is_leader:
+            print(f"nothing to do: {resume} is at step {start_step} of training.steps = {cfg.training.steps}")
+        for step in range(start_step + 1, cfg.training.steps + 1):
+            metrics = job.step(step)
+            if step == cfg.training.steps or (cfg.eval.every and step % cfg.eval.every == 0):
+                evals["last"] = job.evaluate()
+                metrics.update(evals["last"])
+            with job.waiting("the step boundary on every rank"):
+                boundary = reduce(
+                    {"signal": float(stop.signal_number if stop else 0), "skipped": metrics.get("train/skipped_updates", 0.0)},
+                    None,
+                    dist.ReduceOp.MAX,
+                )
+            bad_steps = bad_steps + 1 if boundary["skipped"] else 0
+            logger.log(step, metrics)
+            if boundary["skipped"] and is_leader:
+                print(f"step {step}: update skipped: {job.trainer.last_skip_reason}", file=sys.stderr, flush=True)
+            every = cfg.checkpoint.export_hf_every
+            if step == cfg.training.steps or (every and step % every == 0):
+                job.export_hf(Path(cfg.job.output_dir) / "hf" / f"step_{step}")
+            diverged = bad_steps >= cfg.training.max_bad_steps
+            signal_number = int(boundary["signal"])
+            due = step == cfg.training.steps or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0)
+            if due or diverged or signal_number:
+                saved = save(step)
+            if diverged:
+                raise TrainingDiverged(
+                    f"{bad_steps} steps in a row (up to step {step}) had a non-finite loss or gradient norm "
+                    f"(training.max_bad_steps = {cfg.training.max_bad_steps}); their updates were skipped, "
+                    f"so {saved} holds the last good weights"
+                )
+            if signal_number:
+                if is_leader:
+                    print(
+                        f"stopped by {GracefulStop.name(signal_number)} after step {step}: checkpoint {saved}; "
+                        "run the same command to resume",
+                        flush=True,
+                    )
+                return
+    if is_leader and evals:
+        first, last = evals["first"], evals["last"]
         print(
             f"done: {cfg.training.steps} steps in {time.perf_counter() - start:.0f} s "
             f"({cfg.parallelism.mode}, {len(roles.generator_ranks)} generator / {len(roles.trainer_ranks)} trainer ranks); "
-            f"held-out reward {first_eval['eval/reward_mean']:.3f} -> {last_eval['eval/reward_mean']:.3f} "
-            f"(greedy, {len(job.task.eval_prompts)} prompts); metrics: {logger.path}",
+            f"held-out reward {first['eval/reward_mean']:.3f} -> {last['eval/reward_mean']:.3f} "
+            f"({len(job.task.eval_prompts)} prompts); metrics: {logger.path}",
             flush=True,
         )
+
+
+def _data_position(cfg: Config, step: int) -> dict:
+    """Where the prompt stream stands after `step`: prompts are drawn as a function of (seed, step)."""
+    return {"step": step, "seed": cfg.job.seed, "prompts_per_step": cfg.data.prompts_per_step, "path": cfg.data.path}

@@ -10,6 +10,7 @@ colocated: every rank generates and then trains; one mesh over the world.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -51,12 +52,13 @@ class Roles:
         return self.trainer_ranks[0]
 
 
-def build_roles(mode: str, generator_ranks: int, device: torch.device) -> Roles:
+def build_roles(mode: str, generator_ranks: int, device: torch.device, timeout: timedelta | None = None) -> Roles:
     """Split the launched world (process group already initialised) into roles.
 
     Every rank calls this with the same arguments; process groups are created in the same order
     on all ranks, as torch.distributed requires. Layouts are validated with the config, before
-    any process group exists; the checks here guard direct callers.
+    any process group exists; the checks here guard direct callers. `timeout` bounds every
+    collective of the new groups (default: torch's).
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     if mode == "colocated":
@@ -72,11 +74,11 @@ def build_roles(mode: str, generator_ranks: int, device: torch.device) -> Roles:
         )
     generators = list(range(generator_ranks))
     trainers = list(range(generator_ranks, world))
-    generator_group = dist.new_group(generators)
-    trainer_group = dist.new_group(trainers)
-    episode_group = dist.new_group(list(range(world)))
-    control_group = dist.new_group(list(range(world)))
-    weight_groups = [dist.new_group([t, *generators]) for t in trainers]
+    generator_group = dist.new_group(generators, timeout=timeout)
+    trainer_group = dist.new_group(trainers, timeout=timeout)
+    episode_group = dist.new_group(list(range(world)), timeout=timeout)
+    control_group = dist.new_group(list(range(world)), timeout=timeout)
+    weight_groups = [dist.new_group([t, *generators], timeout=timeout) for t in trainers]
     generator_mesh = trainer_mesh = None
     if rank in generators:
         generator_mesh = DeviceMesh.from_group(generator_group, device.type, mesh_dim_names=("generator",))

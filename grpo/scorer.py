@@ -2,6 +2,7 @@
 
 import multiprocessing
 import multiprocessing.pool
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -19,6 +20,13 @@ class ScoredRewards:
     per_function: dict[str, torch.Tensor]  # name -> [N] float32, unweighted
     # name -> number of episodes scored 0.0 because the call failed (on_error="zero"; else all 0)
     errors: dict[str, int] = field(default_factory=dict)
+
+
+def _ignore_stop_signals() -> None:
+    """Pool workers leave SIGTERM / SIGINT (sent to the whole job on preemption or Ctrl-C) to their
+    parent rank, which finishes the step, saves a checkpoint and closes the pool."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 class Scorer:
@@ -87,7 +95,7 @@ class Scorer:
     def _new_pool(self) -> multiprocessing.pool.Pool:
         self._pool_ready = False
         # spawn, not fork: forking a process that holds CUDA state or torch threads is unsafe.
-        return multiprocessing.get_context("spawn").Pool(self.num_workers)
+        return multiprocessing.get_context("spawn").Pool(self.num_workers, initializer=_ignore_stop_signals)
 
     def score(
         self, prompts: list[str], completions: list[str], answers: list[str], metadata: list[dict]

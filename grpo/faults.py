@@ -1,0 +1,104 @@
+"""What a long job needs to survive: a graceful stop on SIGTERM / SIGINT, collective waits that
+report whom they waited on, and start-up checks that fail before any heavy work."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch.distributed as dist
+
+
+class StartupError(RuntimeError):
+    """The job cannot start here (output folder, disk space); the message says what to change."""
+
+
+class CollectiveTimeout(RuntimeError):
+    """A collective or transfer waited longer than parallelism.collective_timeout_s."""
+
+
+class GracefulStop:
+    """Turns SIGTERM / SIGINT into a request to stop at the next step boundary.
+
+    The loop agrees on the request over all ranks, saves a checkpoint and exits 0. A second
+    SIGINT (an impatient Ctrl-C) stops at once.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self) -> None:
+        self.signal_number = 0
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> GracefulStop:
+        for number in self.SIGNALS:
+            self._previous[number] = signal.signal(number, self._handle)
+            # Restart interrupted system calls: a signal must not cut a socket read of gloo or NCCL
+            # in half (Python's handlers interrupt them by default).
+            signal.siginterrupt(number, False)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for number, handler in self._previous.items():
+            signal.signal(number, handler)
+
+    def _handle(self, number: int, frame) -> None:
+        if number == signal.SIGINT and self.signal_number == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signal_number = number
+
+    @staticmethod
+    def name(number: int) -> str:
+        return signal.Signals(number).name
+
+
+def _is_timeout(error: BaseException) -> bool:
+    text = str(error).lower()
+    return "timed out" in text or "timeout" in text
+
+
+@contextmanager
+def waiting_for(who: str, what: str, timeout_s: float) -> Iterator[None]:
+    """Turn a collective's timeout inside the block into a CollectiveTimeout naming this rank (`who`,
+    e.g. "generator rank 0") and what it waited for (`what`, e.g. "episodes from trainer ranks [1]")."""
+    try:
+        yield
+    except (RuntimeError, dist.DistError) as error:
+        if not _is_timeout(error):
+            raise
+        raise CollectiveTimeout(
+            f"{who} waited more than {timeout_s:g} s for {what} (parallelism.collective_timeout_s); "
+            "that rank is stalled or gone"
+        ) from None
+
+
+def check_output_dir(path: str | Path, rank: int) -> None:
+    """Raise StartupError unless this rank can create files in `path` (created if missing)."""
+    path = Path(path)
+    probe = path / f".write-check-rank{rank}"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as error:
+        raise StartupError(f"job.output_dir = {str(path)!r} is not writable: {error.strerror or error}") from None
+
+
+def check_free_disk(path: str | Path, needed_bytes: int) -> None:
+    """Raise StartupError when the disk holding `path` has less room than `needed_bytes`."""
+    free = shutil.disk_usage(path).free
+    if free < needed_bytes:
+        raise StartupError(
+            f"not enough free disk for one checkpoint in {str(path)!r}: it needs about "
+            f"{needed_bytes / 1e9:.2f} GB and {free / 1e9:.2f} GB are free "
+            "(free some space, or point job.output_dir at a larger disk)"
+        )
+
+
+def restart_count() -> int:
+    """How many times torchrun (--max-restarts) has restarted this job."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
