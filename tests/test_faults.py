@@ -1,0 +1,95 @@
+"""Guard rails of a whole launch: non-finite updates, a NaN reward, a stalled rank, Ctrl-C."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import torch.distributed.checkpoint as dcp
+import torch
+from safetensors.torch import load_file
+
+from tests.test_e2e import REPO, SHORT, launch, metrics
+from tests.test_resume import wait_for_step
+
+FIXTURES = "tests.fixtures.slow_rewards"
+
+
+def test_non_finite_updates_are_skipped_then_the_run_stops_with_the_last_good_state(tmp_path):
+    """From the third step on every update is NaN: steps 3 and 4 skip theirs (logged), and with
+    training.max_bad_steps = 2 the run stops after step 4, saving weights equal to those after step 2."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    result = subprocess.run(
+        [sys.executable, str(REPO / "tests" / "fixtures" / "poisoned_gradients.py"), *SHORT, "--training.steps=8",
+         "--training.max_bad_steps=2", "--parallelism.mode=colocated", "--checkpoint.export_hf_every=1",
+         f"--job.output_dir={tmp_path}"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=240,
+    )
+    assert result.returncode == 1, result.stderr[-3000:]
+    lines = result.stderr.strip().splitlines()
+    assert "step 3: update skipped: non-finite loss (nan) in update 1 of 1" in lines
+    assert "step 4: update skipped: non-finite loss (nan) in update 1 of 1" in lines
+    checkpoint = tmp_path / "checkpoints" / "step_4"
+    assert lines[-1] == (
+        "error: 2 steps in a row (up to step 4) had a non-finite loss or gradient norm (training.max_bad_steps = 2); "
+        f"their updates were skipped, so {checkpoint} holds the last good weights"
+    )
+    rows = metrics(tmp_path)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
+    assert [r["train/skipped_updates"] for r in rows[1:]] == [0.0, 0.0, 1.0, 1.0]
+    after_step_2 = load_file(tmp_path / "hf" / "step_2" / "model.safetensors")
+    assert load_file(tmp_path / "hf" / "step_4" / "model.safetensors").keys() == after_step_2.keys()
+    for name, tensor in load_file(tmp_path / "hf" / "step_4" / "model.safetensors").items():
+        assert tensor.equal(after_step_2[name]), name
+    saved = {"trainer": {"model": {"tok_embeddings.weight": torch.empty_like(after_step_2["model.embed_tokens.weight"])}}}
+    dcp.load(saved, checkpoint_id=str(checkpoint / "trainer"), no_dist=True)
+    assert saved["trainer"]["model"]["tok_embeddings.weight"].equal(after_step_2["model.embed_tokens.weight"])
+    assert json.loads((checkpoint / "run_state.json").read_text())["bad_steps"] == 2
+
+
+def test_nan_reward_stops_the_launch_naming_the_function(tmp_path):
+    result = launch(
+        [*SHORT, "--parallelism.mode=colocated", f'--rewards.functions=["{FIXTURES}:nan_reward"]',
+         f"--job.output_dir={tmp_path}"],
+        nproc=None,
+    )
+    assert result.returncode == 1
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: reward function 'nan_reward' returned nan (float) on episode 0")
+    assert last.endswith("expected a finite number")
+
+
+def test_a_stalled_rank_is_named_by_the_rank_waiting_for_it(tmp_path):
+    """The trainer spends 8 s in a reward call; the generator, waiting for the step's rewards with a
+    2 s collective timeout, stops and says whom it waited on."""
+    result = launch(
+        [*SHORT, "--parallelism.mode=split", f'--rewards.functions=["{FIXTURES}:slow"]', "--rewards.timeout_s=60",
+         "--parallelism.collective_timeout_s=2", f"--job.output_dir={tmp_path}"],
+        nproc=2,
+    )
+    assert result.returncode != 0
+    assert (
+        "error: generator rank 0 waited more than 2 s for the rewards of trainer ranks [1] "
+        "(parallelism.collective_timeout_s); that rank is stalled or gone"
+    ) in result.stderr
+
+
+def test_ctrl_c_in_a_single_process_run_saves_and_exits_0(tmp_path):
+    """SIGINT (Ctrl-C) to `python train_grpo.py`: it finishes the step, saves, says where, exits 0."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(
+        [sys.executable, str(REPO / "train_grpo.py"), *SHORT, "--training.steps=40", "--parallelism.mode=colocated",
+         f"--job.output_dir={tmp_path}"],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    wait_for_step(tmp_path, 2, proc)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-3000:]
+    stopped = next(line for line in out.splitlines() if line.startswith("stopped by SIGINT after step "))
+    step = int(stopped.split("after step ")[1].split(":")[0])
+    assert (tmp_path / "checkpoints" / f"step_{step}" / "run_state.json").is_file()
+    assert stopped.endswith("; run the same command to resume")
