@@ -6,6 +6,7 @@ role (generator, trainer, or both when colocated).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 import time
@@ -28,7 +29,9 @@ from grpo.datasets import HFTokenizer, PromptDataset, load_hf_tokenizer
 from grpo.engine import NativeEngine, SamplingParams
 from grpo.episode import EpisodeBatch, compute_advantages, concat_episodes, overlong_penalty, zero_variance_groups
 from grpo.faults import GracefulStop, check_free_disk, restart_count, waiting_for
-from grpo.metrics import MetricsLogger
+from grpo.flops import mfu, peak_flops
+from grpo.metrics import MetricsLogger, reduce_across
+from grpo.report import render_report
 from grpo.roles import Roles
 from grpo.rollout import generate_episodes, score_episodes
 from grpo.scorer import Scorer
@@ -184,6 +187,8 @@ class Run:
                 shapes, roles.trainer_ranks, roles.weight_groups, self.dtype, device, cfg.parallelism.weight_bucket_mb * 2**20
             )
         self.greedy = SamplingParams(gen.max_new_tokens, temperature=0.0)
+        # (peak FLOP/s of one trainer device, what that figure is), or None: no MFU is reported
+        self.peak = peak_flops(device, self.dtype, cfg.metrics.peak_tflops)
 
     def sync_weights(self, version: int) -> float:
         """Push the trainer's weights into every engine; returns the seconds it took."""
@@ -334,8 +339,9 @@ class Run:
             "eval/pass@k": totals["solved"] / len(prompts),
         }
 
-    def step(self, step: int) -> dict[str, float]:
-        """One RL step; returns the step's metrics on trainer ranks ({} on generator-only ranks).
+    def step(self, step: int, with_samples: bool = False) -> tuple[dict[str, float], list[dict]]:
+        """One RL step; returns the step's metrics on trainer ranks ({} on generator-only ranks) and,
+        when asked, a few of this rank's episodes as readable samples.
 
         With dynamic sampling, generation rounds of fresh prompts repeat until data.prompts_per_step
         groups survive the zero-variance filter (or the rounds run out); surplus groups of the last
@@ -344,11 +350,12 @@ class Run:
         cfg, G, target = self.cfg, self.cfg.grpo.group_size, self.cfg.data.prompts_per_step
         start = time.perf_counter()
         rounds = cfg.grpo.dynamic_sampling_max_rounds if cfg.grpo.dynamic_sampling else 1
-        generated, kept, reward_sums = [], [], {}
+        generated, kept, reward_sums, prompts_seen = [], [], {}, {}
         generate_s = score_s = 0.0
         filtered = kept_groups = 0
         for round_index in range(rounds):
             prompts = self.task.train_prompts(step, target, round_index)
+            prompts_seen.update((p.index, p) for p in prompts)
             episodes, seconds = self.collect_episodes(prompts, G, step)
             generate_s += seconds
             score_start = time.perf_counter()
@@ -377,45 +384,74 @@ class Run:
         train_end = time.perf_counter()
         sync_s = self.sync_weights(step)
         if not self.roles.is_trainer:
-            return {}
+            return {}, []
         episodes = concat_episodes(generated, self.tokenizer.pad_id)
         if cfg.grpo.filter_zero_variance:
             groups = reduce({"filtered": float(filtered)}, self.trainer_group)
             train_metrics["grpo/groups_filtered"] = groups["filtered"]
             train_metrics["grpo/groups_trained"] = float(kept_groups)
             train_metrics["grpo/generation_rounds"] = float(round_index + 1)
-        sums = reduce(
+        n = len(episodes)
+        per_episode = reduce_across(
             {
-                "reward": float(episodes.rewards.sum()),
-                "episodes": float(len(episodes)),
-                "completion_tokens": float(episodes.completion_lens.sum()),
-                "tokens": float(episodes.seq_lens.sum()),
-                "truncated": float(episodes.truncated.sum()),
-                **{f"reward/{name}": total for name, total in reward_sums.items()},
+                "reward/mean": float(episodes.rewards.sum()) / max(n, 1),
+                **{f"reward/{name}": total / max(n, 1) for name, total in reward_sums.items()},
+                "episode/length_mean": float(episodes.completion_lens.sum()) / max(n, 1),
+                "episode/truncated_frac": float(episodes.truncated.sum()) / max(n, 1),
+            },
+            self.trainer_group,
+            weights=float(n),
+        )
+        times = reduce_across(
+            {
+                "time/generate_s": generate_s,
+                "time/score_s": score_s,
+                "time/train_s": train_end - train_start,
+                "time/weight_sync_s": sync_s,
+                "time/step_s": time.perf_counter() - start,
             },
             self.trainer_group,
         )
-        slowest = reduce(
-            {"score": score_s, "train": train_end - train_start, "sync": sync_s},
-            self.trainer_group,
-            dist.ReduceOp.MAX,
-        )
-        n = sums["episodes"]
-        return {
-            "reward/mean": sums["reward"] / n,
-            **{key: sums[key] / n for key in sums if key.startswith("reward/")},
-            "episode/length_mean": sums["completion_tokens"] / n,
-            "episode/truncated_frac": sums["truncated"] / n,
-            **train_metrics,
-            "time/generate_s": generate_s,
-            "time/score_s": slowest["score"],
-            "time/train_s": slowest["train"],
-            "time/weight_sync_s": slowest["sync"],
-            "time/step_s": time.perf_counter() - start,
-            "throughput/generate_tok_s": sums["completion_tokens"] / max(generate_s, 1e-9),
-            "throughput/train_tok_s": sums["tokens"] * cfg.grpo.num_iterations / max(slowest["train"], 1e-9),
-            "weight_sync/GBps": self.weight_bytes / max(slowest["sync"], 1e-9) / 1e9,
+        metrics = {**per_episode, **train_metrics, **times, **self._rates(episodes, times)}
+        if self.roles.split:
+            # Split roles wait on each other: generators while trainers score and train, trainers
+            # while generators generate.
+            metrics["time/generator_idle_s"] = times["time/step_s"] - times["time/generate_s"] - times["time/weight_sync_s"]
+            metrics["time/trainer_idle_s"] = (
+                times["time/step_s"] - times["time/score_s"] - times["time/train_s"] - times["time/weight_sync_s"]
+            )
+        samples = self._samples(episodes, prompts_seen) if with_samples else []
+        return metrics, samples
+
+    def _rates(self, episodes: EpisodeBatch, times: dict[str, float]) -> dict[str, float]:
+        """Throughput of this rank's share, summed over trainer ranks; MFU against the stated peak."""
+        iterations = self.cfg.grpo.num_iterations
+        trainers = len(self.roles.trainer_ranks)
+        tokens = float(episodes.seq_lens.sum())
+        rates = {
+            "throughput/generate_tok_s": float(episodes.completion_lens.sum()) / max(times["time/generate_s"], 1e-9),
+            "throughput/train_tok_s": tokens * iterations / max(times["time/train_s"], 1e-9),
+            "weight_sync/GBps": self.weight_bytes / trainers / max(times["time/weight_sync_s"], 1e-9) / 1e9,
         }
+        if self.peak is not None:
+            lengths = episodes.seq_lens.double()
+            seq_len = float((lengths * lengths).sum() / lengths.sum()) if tokens else 0.0
+            rates["throughput/mfu"] = mfu(tokens * iterations, times["time/train_s"], self.args, seq_len, self.peak[0], 1)
+        return reduce_across(rates, self.trainer_group, weights=1.0)
+
+    def _samples(self, episodes: EpisodeBatch, prompts: dict[int, Prompt]) -> list[dict]:
+        """The first metrics.samples_prompts groups of this rank's episodes, as readable records."""
+        count = self.cfg.metrics.samples_prompts * self.cfg.grpo.group_size
+        return [
+            {
+                "prompt": prompts[int(episodes.prompt_index[i])].text,
+                "completion": self.tokenizer.decode(episodes.completion(i)),
+                "reward": float(episodes.rewards[i]),
+                "advantage": float(episodes.advantages[i]),
+                "finish": "length" if bool(episodes.truncated[i]) else "stop",
+            }
+            for i in range(min(count, len(episodes)))
+        ]
 
 
 def run_loop(cfg: Config, job: Run, resume: Path | None = None, stop: GracefulStop | None = None) -> None:
@@ -443,7 +479,17 @@ def run_loop(cfg: Config, job: Run, resume: Path | None = None, stop: GracefulSt
                     file=sys.stderr,
                     flush=True,
                 )
-    logger = MetricsLogger(cfg.job.output_dir, is_leader, cfg.metrics, cfg.training.steps, start_step=start_step)
+    logger = MetricsLogger(
+        cfg.job.output_dir, is_leader, cfg.metrics, cfg.training.steps, start_step, dataclasses.asdict(cfg)
+    )
+    if is_leader:
+        if job.peak is not None:
+            print(f"MFU (throughput/mfu) is measured against the {job.peak[1]} of each trainer rank", flush=True)
+        else:
+            print(
+                f"no MFU: no peak FLOP/s is known for {job.device.type} in {job.dtype} (set metrics.peak_tflops)",
+                flush=True,
+            )
 
     def save(step: int) -> Path:
         run_state = {"step": step, "policy_version": step, "data_position": _data_position(cfg, step)}
@@ -462,7 +508,10 @@ def run_loop(cfg: Config, job: Run, resume: Path | None = None, stop: GracefulSt
         elif start_step >= cfg.training.steps and is_leader:
             print(f"nothing to do: {resume} is at step {start_step} of training.steps = {cfg.training.steps}")
         for step in range(start_step + 1, cfg.training.steps + 1):
-            metrics = job.step(step)
+            every = cfg.metrics.samples_every
+            metrics, samples = job.step(step, with_samples=bool(every) and step % every == 0)
+            if samples:
+                logger.log_samples(step, samples)
             if step == cfg.training.steps or (cfg.eval.every and step % cfg.eval.every == 0):
                 evals["last"] = job.evaluate()
                 metrics.update(evals["last"])
@@ -504,9 +553,11 @@ def run_loop(cfg: Config, job: Run, resume: Path | None = None, stop: GracefulSt
             f"done: {cfg.training.steps} steps in {time.perf_counter() - start:.0f} s "
             f"({cfg.parallelism.mode}, {len(roles.generator_ranks)} generator / {len(roles.trainer_ranks)} trainer ranks); "
             f"held-out reward {first['eval/reward_mean']:.3f} -> {last['eval/reward_mean']:.3f} "
-            f"({len(job.task.eval_prompts)} prompts); metrics: {logger.path}",
+            f"({'greedy' if cfg.eval.samples == 1 else f'{cfg.eval.samples} samples each'}, "
+            f"{len(job.task.eval_prompts)} prompts); metrics: {logger.path}",
             flush=True,
         )
+        print(f"report: {render_report(cfg.job.output_dir)} (python -m grpo.report {cfg.job.output_dir})", flush=True)
 
 
 def _data_position(cfg: Config, step: int) -> dict:
