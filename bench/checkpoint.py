@@ -1,0 +1,151 @@
+"""Checkpoint save / load of the trainer's sharded state vs one gathered file, in one run.
+
+    torchrun --nproc_per_node=2 bench/checkpoint.py --dir /tmp/ckpt-bench      # 2 trainer GPUs
+
+The model is Qwen3-0.6B-shaped with random weights: fp32 masters sharded by FSDP2 over every rank
+of the launch, with AdamW state (two fp32 moments), about 12 bytes per parameter. tandem's path is
+grpo.checkpoint.save_checkpoint / load_checkpoint (DCP: each rank writes and reads its own shards,
+written to a temporary folder and renamed). Baseline: the full model and optimizer state gathered
+to the first rank and written with torch.save to one file, then read back. Also times the HF
+export. Checks that a load restores every parameter bitwise. Prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from grpo.checkpoint import export_hf, load_checkpoint, save_checkpoint  # noqa: E402
+from grpo.config import GRPOConfig, OptimizerConfig  # noqa: E402
+from grpo.trainer import Trainer  # noqa: E402
+from model import ModelArgs, Transformer  # noqa: E402
+
+QWEN3_0_6B = ModelArgs(
+    arch="qwen3", vocab_size=151936, dim=1024, n_layers=28, n_heads=16, n_kv_heads=8, head_dim=128,
+    ffn_dim=3072, rope_theta=1e6, tie_embeddings=True,
+)
+
+
+def build_trainer(args: ModelArgs, device: torch.device, seed: int) -> Trainer:
+    torch.manual_seed(seed)
+    model = Transformer(args, dtype=torch.float32, device=device)
+    model.init_weights()
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    return Trainer(model, mesh, device, torch.bfloat16 if device.type == "cuda" else torch.float32, GRPOConfig(),
+                   OptimizerConfig(), total_steps=10, micro_batch_size=8, temperature=1.0, max_new_tokens=8)
+
+
+def take_a_step(trainer: Trainer) -> None:
+    """Give AdamW its state with one update on random gradients."""
+    for param in trainer.model.parameters():
+        param.grad = torch.randn_like(param) * 1e-3
+    trainer.optimizer.step()
+    trainer.optimizer.zero_grad(set_to_none=True)
+
+
+def timed(fn, device: torch.device) -> float:
+    dist.barrier()
+    start = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    dist.barrier()
+    return time.perf_counter() - start
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def folder_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--dir", type=Path, required=True, help="scratch folder on the disk to measure")
+    parser.add_argument("--layers", type=int, default=QWEN3_0_6B.n_layers)
+    opts = parser.parse_args()
+    cuda = torch.cuda.is_available()
+    if cuda:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+        dist.init_process_group("cuda:nccl,cpu:gloo", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    args = ModelArgs(**{**QWEN3_0_6B.__dict__, "n_layers": opts.layers})
+    root = opts.dir / "checkpoints"
+    if rank == 0:
+        shutil.rmtree(opts.dir, ignore_errors=True)
+        root.mkdir(parents=True)
+    dist.barrier()
+
+    trainer = build_trainer(args, device, seed=0)
+    take_a_step(trainer)
+    params = sum(p.numel() for p in trainer.model.parameters())
+    save_s = timed(lambda: save_checkpoint(root, 1, trainer, None, {"step": 1}, rank == 0, keep=1), device)
+
+    fresh = build_trainer(args, device, seed=1)
+    take_a_step(fresh)
+    load_s = timed(lambda: load_checkpoint(root / "step_1", fresh, None), device)
+    exact = torch.tensor([1], device=device)
+    for saved, loaded in zip(trainer.model.parameters(), fresh.model.parameters()):
+        pairs = [(saved, loaded)] + [
+            (trainer.optimizer.state[saved][key], fresh.optimizer.state[loaded][key]) for key in ("exp_avg", "exp_avg_sq")
+        ]
+        for a, b in pairs:
+            if not torch.equal(local(a), local(b)):
+                exact.zero_()
+    dist.all_reduce(exact, op=dist.ReduceOp.MIN)
+
+    baseline_file = opts.dir / "gathered.pt"
+
+    def gathered_save() -> None:
+        full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        model_state, optim_state = get_state_dict(trainer.model, trainer.optimizer, options=full)
+        if rank == 0:
+            torch.save({"model": model_state, "optimizer": optim_state}, baseline_file)
+
+    baseline_save_s = timed(gathered_save, device)
+    baseline_load_s = timed(lambda: torch.load(baseline_file, weights_only=False) if rank == 0 else None, device)
+    export_s = timed(lambda: export_hf(trainer, args, None, opts.dir / "hf", rank == 0), device)
+
+    if rank == 0:
+        checkpoint_bytes = folder_bytes(root / "step_1")
+        print(json.dumps({
+            "device": torch.cuda.get_device_name(device) if cuda else "cpu",
+            "ranks": world,
+            "params": params,
+            "checkpoint_GB": round(checkpoint_bytes / 1e9, 3),
+            "save_s": round(save_s, 3),
+            "save_GBps": round(checkpoint_bytes / save_s / 1e9, 2),
+            "load_s": round(load_s, 3),
+            "load_bitwise": bool(exact),
+            "baseline_gathered_save_s": round(baseline_save_s, 3),
+            "baseline_gathered_load_s": round(baseline_load_s, 3),
+            "baseline_GB": round(baseline_file.stat().st_size / 1e9, 3),
+            "save_speedup": round(baseline_save_s / save_s, 2),
+            "export_hf_s": round(export_s, 3),
+        }), flush=True)
+        shutil.rmtree(opts.dir, ignore_errors=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
