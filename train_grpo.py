@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from grpo.checkpoint import CheckpointMismatch, find_resume
 from grpo.config import Config, ConfigError, load_config, write_resolved_config
-from grpo.faults import CollectiveTimeout, GracefulStop, StartupError, check_output_dir
+from grpo.faults import CollectiveTimeout, GracefulStop, StartupError, check_output_dir, restart_count
 from grpo.loop import DataError, Run, RunAborted, TrainingDiverged, run_loop
 from grpo.roles import build_roles
 from grpo.scorer import Scorer
@@ -36,20 +36,45 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _rendezvous_store(timeout: timedelta) -> dist.Store:
+    """The store the ranks meet in, with a prefix per torchrun attempt.
+
+    Under torchrun the agent hosts the store and keeps it across restarts (--max-restarts), so the
+    addresses the ranks of a failed attempt published are still in it; a restarted rank that read
+    one would dial a dead process.
+    """
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world,
+        is_master=rank == 0 and not agent_hosts_store,
+        timeout=timeout,
+    )
+    return dist.PrefixStore(f"tandem/attempt_{restart_count()}", store)
+
+
 def init_distributed(cfg: Config) -> torch.device:
     """Join the process group (a one-rank group when not launched by torchrun) and pick the device."""
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     timeout = timedelta(seconds=cfg.parallelism.collective_timeout_s)
+    group = dict(
+        store=_rendezvous_store(timeout),
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+        timeout=timeout,
+    )
     use_cuda = cfg.job.device == "cuda" or (cfg.job.device == "auto" and torch.cuda.is_available())
     if use_cuda:
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
         # nccl for CUDA tensors (weights), gloo for CPU tensors (episodes, control, metrics).
-        dist.init_process_group("cuda:nccl,cpu:gloo", device_id=device, timeout=timeout)
+        dist.init_process_group("cuda:nccl,cpu:gloo", device_id=device, **group)
     else:
         device = torch.device("cpu")
-        dist.init_process_group("gloo", timeout=timeout)
+        dist.init_process_group("gloo", **group)
     return device
 
 
