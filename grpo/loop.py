@@ -470,26 +470,12 @@ def run_loop(cfg: Config, job: Run, resume: Path | None = None, stop: GracefulSt
         state = load_checkpoint(resume, job.trainer, job.trainer_group)
         start_step, bad_steps, evals = state["step"], state["bad_steps"], state["evals"]
         if is_leader:
-            restarted = f" (torchrun restart {restart_count()})" if restart_count() else ""
-            print(f"resuming from {resume} at step {start_step}{restarted}", flush=True)
-            if state["data_position"] != _data_position(cfg, start_step):
-                print(
-                    f"warning: the prompt stream differs from the checkpoint's ({state['data_position']}); "
-                    "the remaining steps see other prompts than the original run would have",
-                    file=sys.stderr,
-                    flush=True,
-                )
+            _announce_resume(cfg, resume, state)
     logger = MetricsLogger(
         cfg.job.output_dir, is_leader, cfg.metrics, cfg.training.steps, start_step, dataclasses.asdict(cfg)
     )
     if is_leader:
-        if job.peak is not None:
-            print(f"MFU (throughput/mfu) is measured against the {job.peak[1]} of each trainer rank", flush=True)
-        else:
-            print(
-                f"no MFU: no peak FLOP/s is known for {job.device.type} in {job.dtype} (set metrics.peak_tflops)",
-                flush=True,
-            )
+        _announce_mfu(job)
 
     def save(step: int) -> Path:
         run_state = {"step": step, "policy_version": step, "data_position": _data_position(cfg, step)}
@@ -502,17 +488,17 @@ def run_loop(cfg: Config, job: Run, resume: Path | None = None, stop: GracefulSt
     with logger:
         job.sync_weights(version=start_step)
         if start_step == 0:
-            evals = {"first": job.evaluate(), "last": None}
-            evals["last"] = evals["first"]
-            logger.log(0, evals["first"])
+            first = job.evaluate()
+            evals = {"first": first, "last": first}
+            logger.log(0, first)
         elif start_step >= cfg.training.steps and is_leader:
-            print(f"nothing to do: {resume} is at step {start_step} of training.steps = {cfg.training.steps}")
+            print(f"nothing to do: {resume} is at step {start_step} of training.steps = {cfg.training.steps}", flush=True)
         for step in range(start_step + 1, cfg.training.steps + 1):
-            every = cfg.metrics.samples_every
-            metrics, samples = job.step(step, with_samples=bool(every) and step % every == 0)
+            metrics, samples = job.step(step, with_samples=_every(cfg.metrics.samples_every, step))
             if samples:
                 logger.log_samples(step, samples)
-            if step == cfg.training.steps or (cfg.eval.every and step % cfg.eval.every == 0):
+            last_step = step == cfg.training.steps
+            if last_step or _every(cfg.eval.every, step):
                 evals["last"] = job.evaluate()
                 metrics.update(evals["last"])
             with job.waiting("the step boundary on every rank"):
@@ -525,13 +511,11 @@ def run_loop(cfg: Config, job: Run, resume: Path | None = None, stop: GracefulSt
             logger.log(step, metrics)
             if boundary["skipped"] and is_leader:
                 print(f"step {step}: update skipped: {job.trainer.last_skip_reason}", file=sys.stderr, flush=True)
-            every = cfg.checkpoint.export_hf_every
-            if step == cfg.training.steps or (every and step % every == 0):
+            if last_step or _every(cfg.checkpoint.export_hf_every, step):
                 job.export_hf(Path(cfg.job.output_dir) / "hf" / f"step_{step}")
             diverged = bad_steps >= cfg.training.max_bad_steps
             signal_number = int(boundary["signal"])
-            due = step == cfg.training.steps or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0)
-            if due or diverged or signal_number:
+            if last_step or _every(cfg.checkpoint.every, step) or diverged or signal_number:
                 saved = save(step)
             if diverged:
                 raise TrainingDiverged(
@@ -558,6 +542,33 @@ def run_loop(cfg: Config, job: Run, resume: Path | None = None, stop: GracefulSt
             flush=True,
         )
         print(f"report: {render_report(cfg.job.output_dir)} (python -m grpo.report {cfg.job.output_dir})", flush=True)
+
+
+def _every(period: int, step: int) -> bool:
+    """Whether a `period`-step cadence (0 = off) falls on `step`."""
+    return bool(period) and step % period == 0
+
+
+def _announce_resume(cfg: Config, resume: Path, state: dict) -> None:
+    restarted = f" (torchrun restart {restart_count()})" if restart_count() else ""
+    print(f"resuming from {resume} at step {state['step']}{restarted}", flush=True)
+    if state["data_position"] != _data_position(cfg, state["step"]):
+        print(
+            f"warning: the prompt stream differs from the checkpoint's ({state['data_position']}); "
+            "the remaining steps see other prompts than the original run would have",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def _announce_mfu(job: Run) -> None:
+    if job.peak is not None:
+        print(f"MFU (throughput/mfu) is measured against the {job.peak[1]} of each trainer rank", flush=True)
+    else:
+        print(
+            f"no MFU: no peak FLOP/s is known for {job.device.type} in {job.dtype} (set metrics.peak_tflops)",
+            flush=True,
+        )
 
 
 def _data_position(cfg: Config, step: int) -> dict:
