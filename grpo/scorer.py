@@ -22,10 +22,10 @@ class ScoredRewards:
     errors: dict[str, int] = field(default_factory=dict)
 
 
-def _ignore_stop_signals() -> None:
-    """Pool workers leave SIGTERM / SIGINT (sent to the whole job on preemption or Ctrl-C) to their
-    parent rank, which finishes the step, saves a checkpoint and closes the pool."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+def _ignore_ctrl_c() -> None:
+    """Ctrl-C reaches every process of the terminal's foreground group, pool workers too; their
+    parent rank handles it (finishes the step, saves, closes the pool). SIGTERM stays fatal: it is
+    how the pool stops a hung worker."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
@@ -95,7 +95,7 @@ class Scorer:
     def _new_pool(self) -> multiprocessing.pool.Pool:
         self._pool_ready = False
         # spawn, not fork: forking a process that holds CUDA state or torch threads is unsafe.
-        return multiprocessing.get_context("spawn").Pool(self.num_workers, initializer=_ignore_stop_signals)
+        return multiprocessing.get_context("spawn").Pool(self.num_workers, initializer=_ignore_ctrl_c)
 
     def score(
         self, prompts: list[str], completions: list[str], answers: list[str], metadata: list[dict]
