@@ -17,6 +17,7 @@ it on resume, not saved.
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import re
@@ -33,7 +34,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from grpo.faults import restart_count
 from grpo.trainer import Trainer
-from model import ModelArgs, Transformer
+from model import ModelArgs
 from model.hf import save_hf
 
 CHECKPOINTS = "checkpoints"
@@ -237,11 +238,10 @@ def load_checkpoint(path: Path, trainer: Trainer | None, trainer_group: dist.Pro
     return run_state
 
 
-def checkpoint_bytes(args: ModelArgs) -> int:
-    """About how many bytes one checkpoint takes: fp32 weights plus AdamW's two fp32 moments."""
-    with torch.device("meta"):
-        params = sum(p.numel() for p in Transformer(args).parameters())
-    return params * 4 * 3
+def checkpoint_bytes(shapes: dict[str, tuple[int, ...]]) -> int:
+    """About how many bytes one checkpoint of a model with these parameter shapes takes: fp32
+    weights plus AdamW's two fp32 moments."""
+    return sum(math.prod(shape) for shape in shapes.values()) * 4 * 3
 
 
 def export_hf(

@@ -135,7 +135,7 @@ class Run:
             shapes = {name: tuple(p.shape) for name, p in Transformer(args).named_parameters()}
         if resume is not None:
             check_matches(resume, shapes)
-        check_free_disk(cfg.job.output_dir, checkpoint_bytes(args))
+        check_free_disk(cfg.job.output_dir, checkpoint_bytes(shapes))
         role = "colocated" if not roles.split else "generator" if roles.is_generator else "trainer"
         self.who = f"{role} rank {roles.rank}"
         self.trainer_group = roles.trainer_mesh.get_group() if roles.trainer_mesh is not None else None
