@@ -64,6 +64,8 @@ _CONSOLE_KEYS = (
     ("time/step_s", "{:.2f}s"),
 )
 _BAR_WIDTH = 24
+# The fields of one sample record, in table order.
+_SAMPLE_COLUMNS = ("prompt", "completion", "reward", "advantage", "finish")
 
 
 class MetricsBackendError(RuntimeError):
@@ -165,9 +167,8 @@ def _markdown_table(samples: list[dict[str, Any]]) -> str:
         # a "|" or a newline would end the cell or the row
         return text.replace("|", "\\|").replace("\n", "\\n")
 
-    columns = ("prompt", "completion", "reward", "advantage", "finish")
-    rows = ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
-    rows += ["| " + " | ".join(cell(s.get(c, "")) for c in columns) + " |" for s in samples]
+    rows = ["| " + " | ".join(_SAMPLE_COLUMNS) + " |", "|" + " --- |" * len(_SAMPLE_COLUMNS)]
+    rows += ["| " + " | ".join(cell(s.get(c, "")) for c in _SAMPLE_COLUMNS) + " |" for s in samples]
     return "\n".join(rows)
 
 
@@ -319,7 +320,7 @@ class MetricsLogger:
             self._tensorboard.add_text("samples", _markdown_table(samples), step)
             self._tensorboard.flush()
         if self._wandb is not None:
-            columns = ["prompt", "completion", "reward", "advantage", "finish"]
+            columns = list(_SAMPLE_COLUMNS)
             table = self._wandb_module.Table(columns=columns, data=[[s.get(c) for c in columns] for s in samples])
             self._wandb.log({"samples": table}, step=step)
 
