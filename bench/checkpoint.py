@@ -17,7 +17,6 @@ import json
 import os
 import shutil
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -28,15 +27,11 @@ from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.weight_sync import QWEN3_0_6B, timed  # noqa: E402
 from grpo.checkpoint import export_hf, load_checkpoint, save_checkpoint  # noqa: E402
 from grpo.config import GRPOConfig, OptimizerConfig  # noqa: E402
 from grpo.trainer import Trainer  # noqa: E402
 from model import ModelArgs, Transformer  # noqa: E402
-
-QWEN3_0_6B = ModelArgs(
-    arch="qwen3", vocab_size=151936, dim=1024, n_layers=28, n_heads=16, n_kv_heads=8, head_dim=128,
-    ffn_dim=3072, rope_theta=1e6, tie_embeddings=True,
-)
 
 
 def build_trainer(args: ModelArgs, device: torch.device, seed: int) -> Trainer:
@@ -54,16 +49,6 @@ def take_a_step(trainer: Trainer) -> None:
         param.grad = torch.randn_like(param) * 1e-3
     trainer.optimizer.step()
     trainer.optimizer.zero_grad(set_to_none=True)
-
-
-def timed(fn, device: torch.device) -> float:
-    dist.barrier()
-    start = time.perf_counter()
-    fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    dist.barrier()
-    return time.perf_counter() - start
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
