@@ -21,15 +21,24 @@ SHORT = [
 ]
 
 
-def launch(args: list[str], nproc: int | None, timeout: float = 240) -> subprocess.CompletedProcess:
-    """Run train_grpo.py with plain python (nproc None) or under torchrun with nproc ranks."""
+def launch_env() -> dict[str, str]:
+    """The environment of a launched job: one thread per rank, the checkout importable."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+
+
+def command(args: list[str], nproc: int | None, max_restarts: int = 0) -> list[str]:
+    """train_grpo.py with plain python (nproc None) or under torchrun with nproc ranks."""
     launcher = [sys.executable] if nproc is None else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+        f"--max-restarts={max_restarts}",
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    return [*launcher, str(REPO / "train_grpo.py"), *args]
+
+
+def launch(args: list[str], nproc: int | None, timeout: float = 240) -> subprocess.CompletedProcess:
+    """Run train_grpo.py to the end (see `command`)."""
     return subprocess.run(
-        [*launcher, str(REPO / "train_grpo.py"), *args],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout,
+        command(args, nproc), cwd=REPO, env=launch_env(), capture_output=True, text=True, timeout=timeout
     )
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -12,8 +11,8 @@ import torch.distributed.checkpoint as dcp
 import torch
 from safetensors.torch import load_file
 
-from tests.test_e2e import REPO, SHORT, launch, metrics
-from tests.test_resume import wait_for_step
+from tests.test_e2e import REPO, SHORT, launch, launch_env, metrics
+from tests.test_resume import start, wait_for_step
 
 FIXTURES = "tests.fixtures.slow_rewards"
 
@@ -21,12 +20,11 @@ FIXTURES = "tests.fixtures.slow_rewards"
 def test_non_finite_updates_are_skipped_then_the_run_stops_with_the_last_good_state(tmp_path):
     """From the third step on every update is NaN: steps 3 and 4 skip theirs (logged), and with
     training.max_bad_steps = 2 the run stops after step 4, saving weights equal to those after step 2."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     result = subprocess.run(
         [sys.executable, str(REPO / "tests" / "fixtures" / "poisoned_gradients.py"), *SHORT, "--training.steps=8",
          "--training.max_bad_steps=2", "--parallelism.mode=colocated", "--checkpoint.export_hf_every=1",
          f"--job.output_dir={tmp_path}"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=240,
+        cwd=REPO, env=launch_env(), capture_output=True, text=True, timeout=240,
     )
     assert result.returncode == 1, result.stderr[-3000:]
     lines = result.stderr.strip().splitlines()
@@ -79,12 +77,8 @@ def test_a_stalled_rank_is_named_by_the_rank_waiting_for_it(tmp_path):
 
 def test_ctrl_c_in_a_single_process_run_saves_and_exits_0(tmp_path):
     """SIGINT (Ctrl-C) to `python train_grpo.py`: it finishes the step, saves, says where, exits 0."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen(
-        [sys.executable, str(REPO / "train_grpo.py"), *SHORT, "--training.steps=40", "--parallelism.mode=colocated",
-         f"--job.output_dir={tmp_path}"],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )
+    proc = start([*SHORT, "--training.steps=40", "--parallelism.mode=colocated", f"--job.output_dir={tmp_path}"],
+                 nproc=None)
     wait_for_step(tmp_path, 2, proc)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=120)

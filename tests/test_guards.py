@@ -24,13 +24,11 @@ from grpo.engine import Completion, GenerationOutOfMemory, GenerationRequest, Na
 from grpo.episode import EpisodeBatch
 from grpo.loss import policy_loss
 from grpo.trainer import Trainer
-from model import ModelArgs, Transformer
+from model import Transformer
 from tests.batches import hand_made_batch
 from tests.dist_utils import one_thread, run_ranks, single_process_group
-
-V = 40
-ARGS = ModelArgs(vocab_size=V, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=64)
-
+from tests.test_engine import EOS, make_engine, ref  # noqa: F401 (ref: a fixture)
+from tests.test_trainer import ADVANTAGES, COMPLETION_LENS, PROMPT_LENS, V, build_model
 
 @pytest.fixture(scope="module", autouse=True)
 def _one_thread():
@@ -40,13 +38,9 @@ def _one_thread():
 
 # ------------------------------------------------------------------------------------------ trainer
 
-# 4 groups x 3 samples, prompt indices 0..3
-PROMPT_LENS = [3, 5, 2, 4]
-COMPLETION_LENS = [[2, 1, 3], [4, 2, 6], [7, 5, 3], [1, 6, 2]]
-ADVANTAGES = [[1.2, -0.4, -0.8], [0.5, 0.9, -1.4], [-1.1, 0.3, 0.8], [0.0, 1.3, -1.3]]
-
 
 def make_batch() -> EpisodeBatch:
+    """tests/test_trainer.py's 4 groups x 3 samples, with prompt indices 0..3."""
     return hand_made_batch(PROMPT_LENS, COMPLETION_LENS, ADVANTAGES, V, seed=5, first_prompt_index=0)
 
 
@@ -56,9 +50,7 @@ def groups_of(batch: EpisodeBatch, groups: list[int]) -> EpisodeBatch:
 
 def make_trainer(world: int = 1, minibatches: int = 1) -> Trainer:
     """A trainer over all ranks of the default group; collective."""
-    torch.manual_seed(7)
-    model = Transformer(ARGS, dtype=torch.float32)
-    model.init_weights(std=0.1)
+    model = build_model()
     optim = OptimizerConfig(lr=0.05, betas=[0.9, 0.99], eps=1e-8, weight_decay=0.01, warmup_steps=0,
                             min_lr_ratio=0.1, max_grad_norm=1.0)
     grpo_cfg = GRPOConfig(group_size=3, minibatches=minibatches)
@@ -196,22 +188,10 @@ def test_only_the_faulty_minibatch_is_skipped(monkeypatch):
 
 # ------------------------------------------------------------------------------------------ engine
 
-EOS = V - 1
 
-
-@pytest.fixture(scope="module")
-def policy() -> Transformer:
-    torch.manual_seed(0)
-    model = Transformer(ARGS, dtype=torch.float32)
-    model.init_weights(std=0.1)
-    return model.eval().requires_grad_(False)
-
-
-def make_engine(policy: Transformer, max_batch_size: int = 256) -> NativeEngine:
-    engine = NativeEngine(ARGS, SamplingParams(max_new_tokens=8, temperature=1.0), eos_ids=[EOS], seed=3,
-                          dtype=torch.float32, device="cpu", max_batch_size=max_batch_size)
-    engine.update_weights([[(n, (), p) for n, p in policy.named_parameters()]], version=2)
-    return engine
+def engine_of(ref: Transformer, max_batch_size: int = 256) -> NativeEngine:
+    return make_engine(ref, SamplingParams(max_new_tokens=8, temperature=1.0), seed=3, version=2,
+                       max_batch_size=max_batch_size)
 
 
 def make_requests() -> list[GenerationRequest]:
@@ -238,9 +218,9 @@ def fail_above(engine: NativeEngine, limit: int) -> list[int]:
     return sizes
 
 
-def test_out_of_memory_retries_in_halves_with_the_same_completions(policy, capsys):
+def test_out_of_memory_retries_in_halves_with_the_same_completions(ref, capsys):
     reqs = make_requests()
-    engine = make_engine(policy)
+    engine = engine_of(ref)
     sizes = fail_above(engine, 5)
     got = engine.generate(reqs)
     assert sizes == [16, 8, 4, 4, 4, 4]
@@ -250,10 +230,10 @@ def test_out_of_memory_retries_in_halves_with_the_same_completions(policy, capsy
         "generator: out of memory with a batch of 8 requests; retrying with batches of 4",
     ]
     # bitwise the completions of batches of the reduced size: no request lost, reordered or altered by the retries
-    assert got == make_engine(policy, max_batch_size=4).generate(reqs)
+    assert got == engine_of(ref, max_batch_size=4).generate(reqs)
     # and, batching not entering the sampling, those of the un-halved run (log-probs up to float
     # summation order, which the CPU's matmul kernels vary with the batch shape)
-    whole = make_engine(policy).generate(reqs)
+    whole = engine_of(ref).generate(reqs)
     assert [c.request for c in got] == reqs == [c.request for c in whole]
     assert [(c.tokens, c.finish_reason, c.version) for c in got] == [(c.tokens, c.finish_reason, c.version) for c in whole]
     for c, w in zip(got, whole):
@@ -264,8 +244,8 @@ def test_out_of_memory_retries_in_halves_with_the_same_completions(policy, capsy
     assert capsys.readouterr().err == ""
 
 
-def test_out_of_memory_on_a_single_request_is_an_error(policy, capsys):
-    engine = make_engine(policy)
+def test_out_of_memory_on_a_single_request_is_an_error(ref, capsys):
+    engine = engine_of(ref)
     sizes = fail_above(engine, 0)
     with pytest.raises(GenerationOutOfMemory, match=r"prompt of 5 tokens, max_new_tokens 8") as info:
         engine.generate([GenerationRequest([1, 2, 3, 4, 5], 0, 0, s) for s in range(3)])

@@ -8,14 +8,13 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
 
-from tests.test_e2e import REPO, launch, metrics
+from tests.test_e2e import REPO, command, launch, launch_env, metrics
 
 # Deterministic CPU settings; 12 short steps; checkpoints only where a test asks for them.
 RESUME = [
@@ -31,15 +30,11 @@ RESUME = [
 MODES = {"split": ["--parallelism.mode=split"], "colocated": ["--parallelism.mode=colocated"]}
 
 
-def start(args: list[str], nproc: int, max_restarts: int = 0) -> subprocess.Popen:
-    """torchrun train_grpo.py in the background, in its own process group."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-        f"--max-restarts={max_restarts}", str(REPO / "train_grpo.py"), *args,
-    ]
+def start(args: list[str], nproc: int | None, max_restarts: int = 0) -> subprocess.Popen:
+    """train_grpo.py in the background, in its own process group."""
     return subprocess.Popen(
-        command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+        command(args, nproc, max_restarts), cwd=REPO, env=launch_env(), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, start_new_session=True,
     )
 
 
