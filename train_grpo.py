@@ -102,6 +102,9 @@ def run(cfg: Config) -> None:
         try:
             with GracefulStop() as stop:
                 run_loop(cfg, Run(cfg, device, roles, scorer, resume), resume, stop)
+            # Leave together: no rank tears its process groups down while the leader still writes
+            # the report and its last lines.
+            dist.barrier()
         finally:
             if scorer is not None:
                 scorer.close()
