@@ -22,13 +22,6 @@ class ScoredRewards:
     errors: dict[str, int] = field(default_factory=dict)
 
 
-def _ignore_ctrl_c() -> None:
-    """Ctrl-C reaches every process of the terminal's foreground group, pool workers too; their
-    parent rank handles it (finishes the step, saves, closes the pool). SIGTERM stays fatal: it is
-    how the pool stops a hung worker."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
 class Scorer:
     """Scores episodes with weighted reward functions (specs as accepted by ``load_reward``).
 
@@ -95,7 +88,12 @@ class Scorer:
     def _new_pool(self) -> multiprocessing.pool.Pool:
         self._pool_ready = False
         # spawn, not fork: forking a process that holds CUDA state or torch threads is unsafe.
-        return multiprocessing.get_context("spawn").Pool(self.num_workers, initializer=_ignore_ctrl_c)
+        # Ctrl-C reaches every process of the terminal's foreground group; the parent rank handles it
+        # (finishes the step, saves, closes the pool). SIGTERM stays fatal: it is how the pool stops
+        # a hung worker. signal.signal itself is the initializer, so a worker imports nothing for it.
+        return multiprocessing.get_context("spawn").Pool(
+            self.num_workers, initializer=signal.signal, initargs=(signal.SIGINT, signal.SIG_IGN)
+        )
 
     def score(
         self, prompts: list[str], completions: list[str], answers: list[str], metadata: list[dict]
