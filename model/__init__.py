@@ -2,11 +2,10 @@
 
 from model.args import ModelArgs, UnsupportedModelError
 from model.hf import CheckpointError, from_hf, to_hf
-from model.model import KVCache, TokenLogprobs, Transformer
+from model.model import TokenLogprobs, Transformer
 
 __all__ = [
     "CheckpointError",
-    "KVCache",
     "ModelArgs",
     "TokenLogprobs",
     "Transformer",

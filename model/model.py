@@ -4,7 +4,8 @@ Two paths share the same layers:
 - `forward`: training and scoring over packed rows (several sequences per row, per-token positions,
   attention only within a sequence). Given target tokens it returns their log-probabilities and the
   per-token entropy, computed in chunks so the full `[T, V]` fp32 logits never exist at once.
-- `decode`: prefill and single-token steps against a `KVCache` that the caller owns.
+- `decode`: prefill and single-token steps over tokens packed on one axis, with the caller's
+  cache-aware attention between the two halves of each block (the engine owns the KV cache).
 
 Numerics follow the HF reference implementations operation by operation (RMSNorm in fp32, RoPE
 tables in fp32 cast to the activation dtype) so that outputs agree with `transformers`.
@@ -13,7 +14,7 @@ tables in fp32 cast to the activation dtype) so that outputs agree with `transfo
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -22,6 +23,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from model.args import ModelArgs
+from model.attention import document_mask, packed_attention
 
 # Tokens per chunk of the log-prob head: bounds the fp32 [chunk, V] logits held at once.
 LOGPROB_CHUNK_TOKENS = 1024
@@ -69,32 +71,10 @@ def rope_tables(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dt
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [B, H, T, D] by the tables [B, T, D] (half-split layout, as HF checkpoints use)."""
+    """Rotate x [B, T, H, D] by the tables [B, T, D] (half-split layout, as HF checkpoints use)."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None] + rotated * sin[:, None]
-
-
-@dataclass
-class KVCache:
-    """Per-layer key/value buffers [B, n_kv_heads, max_len, head_dim]; slot s holds position s."""
-
-    k: list[torch.Tensor]
-    v: list[torch.Tensor]
-
-    @classmethod
-    def allocate(
-        cls, args: ModelArgs, batch_size: int, max_len: int, dtype: torch.dtype, device: torch.device | str
-    ) -> KVCache:
-        shape = (batch_size, args.n_kv_heads, max_len, args.head_dim)
-        return cls(
-            k=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(args.n_layers)],
-            v=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(args.n_layers)],
-        )
-
-    @property
-    def max_len(self) -> int:
-        return self.k[0].shape[2]
+    return x * cos[:, :, None] + rotated * sin[:, :, None]
 
 
 class Attention(nn.Module):
@@ -111,38 +91,36 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(args.head_dim, args.norm_eps, dtype, device)
         else:
             self.q_norm = self.k_norm = None
+        self.wqkv: torch.Tensor | None = None
+        self.bqkv: torch.Tensor | None = None
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        mask: torch.Tensor | None,
-        cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
-    ) -> torch.Tensor:
-        """x [B, T, dim] -> [B, T, dim]. mask: bool [B, 1, T, S] (None = plain causal).
+    def fuse_projections(self) -> None:
+        """Inference layout: wq, wk, wv become row blocks of one [(H + 2 Hkv) D, dim] matrix, so
+        the projection is one matmul. Parameter names stay, and each parameter is a view into the
+        fused storage, so in-place weight updates land in it."""
+        self.wqkv = _fuse(self.wq, self.wk, self.wv)
+        self.bqkv = _fuse_bias(self.wq, self.wk, self.wv)
 
-        cache: (k_buffer, v_buffer, input_pos [B, T]); this step's keys/values are written at their
-        positions and attention runs over the whole buffer, the mask hiding slots past each query.
-        """
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x [B, T, dim] -> q [B, T, H, D], k and v [B, T, Hkv, D], RoPE applied to q and k."""
         B, T, _ = x.shape
-        q = self.wq(x).view(B, T, self.n_heads, self.head_dim)
-        k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim)
-        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim)
+        if self.wqkv is None:
+            q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        else:
+            kv_width = self.n_kv_heads * self.head_dim
+            q, k, v = F.linear(x, self.wqkv, self.bqkv).split([self.n_heads * self.head_dim, kv_width, kv_width], -1)
+        q = q.reshape(B, T, self.n_heads, self.head_dim)
+        k = k.reshape(B, T, self.n_kv_heads, self.head_dim)
+        v = v.reshape(B, T, self.n_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if cache is not None:
-            k_buffer, v_buffer, input_pos = cache
-            rows = torch.arange(B, device=x.device)[:, None]
-            k_buffer[rows, :, input_pos] = k.transpose(1, 2)
-            v_buffer[rows, :, input_pos] = v.transpose(1, 2)
-            k, v = k_buffer, v_buffer
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=self.n_heads != self.n_kv_heads
-        )
-        return self.wo(out.transpose(1, 2).reshape(B, T, -1))
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """x [B, T, dim] -> [B, T, dim]; mask bool [B, 1, T, T] (None: plain causal)."""
+        B, T, _ = x.shape
+        out = packed_attention(*self.qkv(x, cos, sin), mask)
+        return self.wo(out.reshape(B, T, -1))
 
 
 class FeedForward(nn.Module):
@@ -154,9 +132,39 @@ class FeedForward(nn.Module):
         self.w1 = nn.Linear(args.dim, args.ffn_dim, **kw)
         self.w2 = nn.Linear(args.ffn_dim, args.dim, **kw)
         self.w3 = nn.Linear(args.dim, args.ffn_dim, **kw)
+        self.w13: torch.Tensor | None = None
+
+    def fuse_projections(self) -> None:
+        """Inference layout: w1 and w3 become row blocks of one matrix (see Attention.fuse_projections)."""
+        self.w13 = _fuse(self.w1, self.w3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        if self.w13 is None:
+            return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        gate, up = F.linear(x, self.w13).chunk(2, dim=-1)
+        return self.w2(F.silu(gate) * up)
+
+
+def _fuse(*linears: nn.Linear) -> torch.Tensor:
+    """Concatenate the linears' weights by rows and make each weight a view of its block."""
+    fused = torch.cat([m.weight.detach() for m in linears])
+    start = 0
+    for m in linears:
+        rows = m.weight.shape[0]
+        m.weight = nn.Parameter(fused[start : start + rows], requires_grad=False)
+        start += rows
+    return fused
+
+
+def _fuse_bias(*linears: nn.Linear) -> torch.Tensor | None:
+    if linears[0].bias is None:
+        return None
+    fused = torch.cat([m.bias.detach() for m in linears])
+    start = 0
+    for m in linears:
+        m.bias = nn.Parameter(fused[start : start + m.bias.shape[0]], requires_grad=False)
+        start += m.bias.shape[0]
+    return fused
 
 
 class TransformerBlock(nn.Module):
@@ -167,8 +175,19 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps, dtype, device)
         self.feed_forward = FeedForward(args, dtype, device)
 
-    def forward(self, x, cos, sin, mask, cache=None):
-        x = x + self.attention(self.attention_norm(x), cos, sin, mask, cache)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin, mask)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+    # The decode path splits the block around its attention so that the caller's cache-aware kernel
+    # sits between the two halves (each half is what the engine compiles).
+    def attention_inputs(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x [B, T, dim] -> q, k, v of this block's attention (see Attention.qkv)."""
+        return self.attention.qkv(self.attention_norm(x), cos, sin)
+
+    def after_attention(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """x [B, T, dim], attn [B, T, H, D] (attention output) -> the block's output [B, T, dim]."""
+        x = x + self.attention.wo(attn.flatten(-2))
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -194,6 +213,18 @@ class Transformer(nn.Module):
         # Derived from args, not state: kept off the state dict and rebuilt wherever the model lives.
         self._inv_freq = rope_inv_freq(args)
 
+    def fuse_projections(self) -> None:
+        """Inference layout: one matmul for each block's q/k/v and one for its SwiGLU gate and up
+        projections (parameters become views into the fused matrices; names are unchanged)."""
+        for layer in self.layers:
+            layer.attention.fuse_projections()
+            layer.feed_forward.fuse_projections()
+
+    def keep_rope_on(self, device: torch.device) -> None:
+        """Hold the RoPE frequencies on `device`: a decode step captured in a CUDA graph may not
+        copy them from the host."""
+        self._inv_freq = self._inv_freq.to(device)
+
     @property
     def output_weight(self) -> torch.Tensor:
         """[V, dim]: the embedding matrix when tied."""
@@ -209,14 +240,6 @@ class Transformer(nn.Module):
                     nn.init.zeros_(module.bias)
             elif isinstance(module, RMSNorm):
                 nn.init.ones_(module.weight)
-
-    def _hidden(self, tokens, positions, mask, kv_cache=None, input_pos=None):
-        h = self.tok_embeddings(tokens)
-        cos, sin = rope_tables(self._inv_freq, positions, h.dtype)
-        for i, layer in enumerate(self.layers):
-            cache = None if kv_cache is None else (kv_cache.k[i], kv_cache.v[i], input_pos)
-            h = layer(h, cos, sin, mask, cache)
-        return self.norm(h)
 
     def forward(
         self,
@@ -238,11 +261,12 @@ class Transformer(nn.Module):
         B, T = tokens.shape
         if positions is None:
             positions = torch.arange(T, device=tokens.device).expand(B, T)
-        mask = None
-        if doc_ids is not None:
-            causal = torch.ones(T, T, dtype=torch.bool, device=tokens.device).tril()
-            mask = ((doc_ids[:, :, None] == doc_ids[:, None, :]) & causal)[:, None]
-        h = self._hidden(tokens, positions, mask)
+        h = self.tok_embeddings(tokens)
+        cos, sin = rope_tables(self._inv_freq, positions, h.dtype)
+        mask = document_mask(doc_ids)
+        for layer in self.layers:
+            h = layer(h, cos, sin, mask)
+        h = self.norm(h)
         if targets is None:
             return F.linear(h, self.output_weight)
         return chunked_target_logprobs(h, self.output_weight, targets, temperature)
@@ -250,22 +274,23 @@ class Transformer(nn.Module):
     def decode(
         self,
         tokens: torch.Tensor,
-        input_pos: torch.Tensor,
-        kv_cache: KVCache,
+        positions: torch.Tensor,
+        attend: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
         logits_index: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Prefill or decode step against kv_cache: tokens, input_pos [B, T] -> logits.
+        """Inference pass over tokens packed on one axis: tokens, positions [N] -> logits [N, V].
 
-        Each row's positions index its cache slots; row b attends to slots <= its query position, so
-        rows may sit at different lengths. logits_index [B] picks one position per row (the last
-        prompt token at prefill) and returns [B, V]; otherwise [B, T, V].
+        attend(layer, q [N, H, D], k [N, Hkv, D], v [N, Hkv, D]) -> [N, H, D] is the caller's
+        cache-aware attention (it stores k and v and attends over whatever the cache holds).
+        logits_index [M] picks the tokens whose logits are wanted -> [M, V].
         """
-        slots = torch.arange(kv_cache.max_len, device=tokens.device)
-        mask = (slots[None, None, :] <= input_pos[:, :, None])[:, None]
-        h = self._hidden(tokens, input_pos, mask, kv_cache, input_pos)
-        if logits_index is not None:
-            h = h[torch.arange(h.shape[0], device=h.device), logits_index]
-        return F.linear(h, self.output_weight)
+        h = self.tok_embeddings(tokens)[None]
+        cos, sin = rope_tables(self._inv_freq, positions[None], h.dtype)
+        for i, layer in enumerate(self.layers):
+            q, k, v = layer.attention_inputs(h, cos, sin)
+            h = layer.after_attention(h, attend(i, q[0], k[0], v[0])[None])
+        h = h[0] if logits_index is None else h[0, logits_index]
+        return F.linear(self.norm(h), self.output_weight)
 
 
 def _chunk_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float):
