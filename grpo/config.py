@@ -103,6 +103,22 @@ class GenerationConfig:
     top_k: int = 0
     # stop strings, in addition to EOS
     stop: list[str] = field(default_factory=list)
+    # most sequences decoded at once; a finished sequence's KV slot goes to the next waiting request
+    max_batch_size: int = 512
+    # KV slot capacity in tokens (prompt + completion); 0 = the longest prompt the data allows + max_new_tokens
+    max_seq_len: int = 0
+    # KV cache size per generator in GB; 0 = room for max_batch_size sequences (on CUDA at most kv_cache_fraction of free memory)
+    kv_cache_gb: float = 0.0
+    # with kv_cache_gb = 0 on CUDA: the largest share of the free device memory the KV cache may take
+    kv_cache_fraction: float = 0.4
+    # prefill each prompt once for all of its samples (they start from the same prompt K/V)
+    share_prefix: bool = True
+    # CUDA only: replay decode steps from CUDA graphs captured per batch-size bucket (CPU runs eagerly)
+    cuda_graphs: bool = True
+    # CUDA only: torch.compile each layer's norms, RoPE and SwiGLU and the sampler (CPU runs eagerly)
+    compile: bool = True
+    # decode steps between the host's checks for finished sequences (EOS and budget are detected on the device)
+    sync_every: int = 8
 
 
 @dataclass
@@ -484,6 +500,16 @@ def validate_config(cfg: Config, world_size: int) -> None:
     _require(0 < g.top_p <= 1, "generation.top_p", g.top_p, "must be in (0, 1] (1 = off)")
     _require(g.top_k >= 0, "generation.top_k", g.top_k, "must be >= 0 (0 = off)")
     _require("" not in g.stop, "generation.stop", g.stop, "must not contain an empty string (it matches at once)")
+    _require(g.max_batch_size >= 1, "generation.max_batch_size", g.max_batch_size, "must be >= 1")
+    _require(
+        g.max_seq_len == 0 or g.max_seq_len > g.max_new_tokens,
+        "generation.max_seq_len",
+        g.max_seq_len,
+        f"must be 0 (derived) or hold a prompt plus generation.max_new_tokens = {g.max_new_tokens}",
+    )
+    _require(g.kv_cache_gb >= 0, "generation.kv_cache_gb", g.kv_cache_gb, "must be >= 0 (0 = sized from max_batch_size)")
+    _require(0 < g.kv_cache_fraction <= 1, "generation.kv_cache_fraction", g.kv_cache_fraction, "must be in (0, 1]")
+    _require(g.sync_every >= 1, "generation.sync_every", g.sync_every, "must be >= 1")
 
     p = cfg.grpo
     _require(

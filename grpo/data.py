@@ -78,6 +78,11 @@ class DigitTask:
         self._held_out = set(eval_texts)
         self.eval_prompts = [self._prompt(-(i + 1), text) for i, text in enumerate(eval_texts)]
 
+    @property
+    def max_prompt_tokens(self) -> int:
+        """Tokens in the longest prompt this task can draw."""
+        return len(self.tokenizer.encode("0" * self.digits_max + "="))
+
     def _draw(self, rng: random.Random) -> str:
         length = rng.randint(self.digits_min, self.digits_max)
         return "".join(rng.choice("0123456789") for _ in range(length))

@@ -103,6 +103,8 @@ class FileTask:
             num_held_out=cfg.eval.num_prompts,
         )
         self.eval_prompts = self.dataset.eval_prompts
+        # prompts over the limit are skipped or refused, so no prompt is longer
+        self.max_prompt_tokens = d.max_prompt_tokens
 
     def train_prompts(self, step: int, count: int, round_index: int = 0) -> list[Prompt]:
         return self.dataset.batch(step - 1, count, round_index)
@@ -176,9 +178,16 @@ class Run:
                 seed=cfg.job.seed,
                 dtype=self.dtype,
                 device=device,
-                pad_id=self.tokenizer.pad_id,
                 stop_strings=gen.stop,
                 decode_text=self.tokenizer.decode,
+                max_batch_size=gen.max_batch_size,
+                max_seq_len=gen.max_seq_len or self.task.max_prompt_tokens + gen.max_new_tokens,
+                kv_cache_gb=gen.kv_cache_gb,
+                kv_cache_fraction=gen.kv_cache_fraction,
+                share_prefix=gen.share_prefix,
+                cuda_graphs=gen.cuda_graphs,
+                compile=gen.compile,
+                sync_every=gen.sync_every,
             )
         self.weight_bytes = sum(math.prod(s) for s in shapes.values()) * torch.empty((), dtype=self.dtype).element_size()
         self.weight_sync = None

@@ -1,87 +1,46 @@
-"""The native generation engine: batched prefill + decode with a KV cache, on the native model.
+"""The native generation engine: a slotted KV cache, each prompt prefilled once for its whole
+group, decode steps captured in CUDA graphs, and continuous batching.
 
-Sampling is a Gumbel-max draw whose noise is a hash of (seed, step, prompt index, sample index,
-position, token id): a completion depends only on its key and the weights, never on which other
-requests share its batch. Log-probs are log softmax(logits / temperature) over the full vocabulary
-(top-k / top-p only restrict which tokens may be drawn).
+A request takes a cache slot when one is free (longest token budget first); its prompt is prefilled (once for every request
+with the same prompt admitted together: their slots receive the same prompt K/V) and its first
+token sampled; then it joins the decode batch. Decode steps run on the device without the host
+reading anything; every `sync_every` steps the host collects finished sequences (EOS, budget,
+stop strings), gives their slots to waiting requests, and goes on.
 
-Out of memory: a batch that runs out of device memory is retried in halves (the engine keeps the
-smaller batch size), which changes no completion since sampling does not depend on batching; only
-a single request that does not fit stops generation, with `GenerationOutOfMemory`.
+A completion depends only on its key (seed, step, prompt index, sample index) and the weights,
+never on which other requests share its batch (see sampling.py). Out of memory: the engine halves
+its batch limit and runs the interrupted requests again from the start (same keys, same
+completions); only a single request that does not fit stops generation with
+`GenerationOutOfMemory`.
 """
 
 from __future__ import annotations
 
 import sys
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 
 import torch
 
-from model import KVCache, ModelArgs, Transformer
-
-_M32 = 0xFFFFFFFF
-
-# (parameter name, index into it as a tuple of slices, values): one piece of a weight update.
-WeightUpdate = tuple[str, tuple[slice, ...], torch.Tensor]
-
-
-class GenerationOutOfMemory(RuntimeError):
-    """A single request does not fit in the generator's memory (its prompt plus max_new_tokens)."""
-
-
-@dataclass
-class SamplingParams:
-    """How to sample: temperature 0 is greedy; top_k 0 and top_p 1 disable those filters."""
-
-    max_new_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-
-
-@dataclass
-class GenerationRequest:
-    """One completion to produce. (step, prompt_index, sample_index) keys its randomness."""
-
-    prompt_tokens: list[int]
-    step: int
-    prompt_index: int
-    sample_index: int
-
-
-@dataclass
-class Completion:
-    """A finished request: tokens and per-token log-probs of the completion only.
-
-    finish_reason: "eos" (an EOS id was drawn; it is kept as the last token), "stop" (the decoded
-    text reached a stop string) or "length" (max_new_tokens reached).
-    """
-
-    request: GenerationRequest
-    tokens: list[int]
-    logprobs: list[float]
-    finish_reason: str
-    version: int
-
-
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash (xor-shift-multiply) on int64 tensors holding values < 2**32."""
-    x = ((x >> 16) ^ x) * 0x45D9F3B & _M32
-    x = ((x >> 16) ^ x) * 0x45D9F3B & _M32
-    return (x >> 16) ^ x
-
-
-def _combine(h: torch.Tensor, value: torch.Tensor | int) -> torch.Tensor:
-    return _mix32((h ^ (torch.as_tensor(value) & _M32)) + 0x9E3779B9 & _M32)
+from grpo.engine.cache import SlotCache, slot_bytes, slots_for_budget
+from grpo.engine.decode import DecodeStep
+from grpo.engine.sampling import request_keys, sample, vocab_hash
+from grpo.engine.types import Completion, GenerationOutOfMemory, GenerationRequest, SamplingParams, WeightUpdate
+from model import ModelArgs, Transformer
 
 
 class NativeEngine:
     """Generates completions with its own copy of the model, in its own dtype and buffers.
 
     Interface: `submit(requests)` queues, `poll()` runs everything queued and returns the finished
-    completions, `generate(requests)` does both; `update_weights(buckets, version)` copies new weights
-    into the existing parameters; `pause()` / `resume()` hold and release the queue; `close()`.
+    completions in submission order, `generate(requests)` does both; `update_weights(buckets,
+    version)` copies new weights into the existing parameters; `pause()` / `resume()` hold and
+    release the queue; `close()`.
+
+    max_seq_len: a slot's capacity (prompt + completion), allocated once; None = sized at each poll
+        to the longest request seen so far (the cache is reallocated when a longer one comes). kv_cache_gb: the K/V budget (0 = room for max_batch_size
+        slots, on CUDA at most kv_cache_fraction of the free device memory). cuda_graphs / compile:
+        CUDA only (CPU always runs eagerly).
     """
 
     def __init__(
@@ -92,27 +51,87 @@ class NativeEngine:
         seed: int,
         dtype: torch.dtype,
         device: torch.device | str,
-        pad_id: int = 0,
         stop_strings: Sequence[str] = (),
         decode_text: Callable[[list[int]], str] | None = None,
-        max_batch_size: int = 256,
+        max_batch_size: int = 512,
+        max_seq_len: int | None = None,
+        kv_cache_gb: float = 0.0,
+        kv_cache_fraction: float = 0.4,
+        share_prefix: bool = True,
+        cuda_graphs: bool = True,
+        compile: bool = True,
+        sync_every: int = 8,
+        prefill_tokens: int = 16384,
     ):
         if stop_strings and decode_text is None:
             raise ValueError("stop strings need a decode_text function to read the completion text")
-        self.args, self.sampling = args, sampling
-        self.eos_ids = torch.tensor(list(eos_ids), device=device)
-        self.seed, self.dtype, self.device, self.pad_id = seed, dtype, torch.device(device), pad_id
+        self.args, self.sampling, self.seed, self.dtype = args, sampling, seed, dtype
+        self.device = torch.device(device)
+        self.eos_ids = torch.tensor(list(eos_ids), dtype=torch.int64, device=self.device)
         self.stop_strings, self.decode_text = list(stop_strings), decode_text
-        self.max_batch_size = max_batch_size
+        self.max_batch_size, self.share_prefix = max_batch_size, share_prefix
+        self.kv_cache_gb, self.kv_cache_fraction = kv_cache_gb, kv_cache_fraction
+        self.sync_every, self.prefill_tokens = sync_every, prefill_tokens
+        on_cuda = self.device.type == "cuda"
+        self.use_graphs, self.use_compile = cuda_graphs and on_cuda, compile and on_cuda
         with torch.device("meta"):
             self.model = Transformer(args, dtype=dtype)
         self.model.to_empty(device=self.device)
+        self.model.keep_rope_on(self.device)
+        self.model.fuse_projections()
         self.model.eval().requires_grad_(False)
         self._params = dict(self.model.named_parameters())
-        self._vocab_hash = _mix32(torch.arange(args.vocab_size, device=self.device, dtype=torch.int64))
+        self._token_hash = vocab_hash(args.vocab_size, self.device)
+        self._sample = sample
+        if self.use_compile:
+            self._compile()
+        self.cache: SlotCache | None = None
+        self.decoder: DecodeStep | None = None
+        self._auto_size = max_seq_len is None
+        if max_seq_len is not None:
+            self._allocate(max_seq_len)
         self.version = -1
         self.paused = False
+        self.peak_active = 0
+        self._in_flight = 0
         self._queue: list[tuple[GenerationRequest, SamplingParams]] = []
+
+    def _compile(self) -> None:
+        """Compile each block's two halves and the sampler (one graph each, reused by every layer
+        and every batch size), fusing the norms, RoPE and SwiGLU into few kernels."""
+        import torch._dynamo.config as dynamo_config
+
+        # 28+ layers share one compiled code object; give the guards room for batch size 1 too.
+        dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 64)
+        for layer in self.model.layers:
+            layer.attention_inputs = torch.compile(layer.attention_inputs, dynamic=True)
+            layer.after_attention = torch.compile(layer.after_attention, dynamic=True)
+        self._sample = torch.compile(sample, dynamic=True)
+
+    def _allocate(self, max_seq_len: int) -> None:
+        """Allocate the KV cache: as many slots of max_seq_len tokens as the budget holds."""
+        if self.decoder is not None:
+            self.decoder.release()
+        self.cache = self.decoder = None
+        per_slot = slot_bytes(self.args, max_seq_len, self.dtype)
+        if self.kv_cache_gb > 0:
+            budget = int(self.kv_cache_gb * 1e9)
+        else:
+            budget = per_slot * (self.max_batch_size + 1)
+            if self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                budget = min(budget, int(free * self.kv_cache_fraction))
+        num_slots = slots_for_budget(self.args, max_seq_len, self.dtype, budget, self.max_batch_size)
+        if num_slots < 1:
+            raise ValueError(
+                f"generator: a KV cache of {budget / 1e9:.3g} GB holds no sequence of {max_seq_len} tokens "
+                f"({2 * per_slot / 1e9:.3g} GB needed for one slot plus the scratch slot); raise "
+                f"generation.kv_cache_gb or lower generation.max_seq_len"
+            )
+        self.cache = SlotCache(self.args, num_slots, max_seq_len, self.dtype, self.device)
+        self.decoder = DecodeStep(
+            self.model, self.cache, self._sample, self._token_hash, self.eos_ids, num_slots, self.use_graphs
+        )
 
     @torch.no_grad()
     def update_weights(self, buckets: Iterable[Iterable[WeightUpdate]], version: int) -> None:
@@ -142,134 +161,204 @@ class NativeEngine:
     def resume(self) -> None:
         self.paused = False
 
-    def poll(self) -> list[Completion]:
-        """Run every queued request to completion, in order, batching runs of equal sampling params."""
-        if self.paused:
-            return []
-        queued, self._queue = self._queue, []
-        finished: list[Completion] = []
-        start = 0
-        while start < len(queued):
-            sampling = queued[start][1]
-            end = start
-            while end < len(queued) and end - start < self.max_batch_size and queued[end][1] == sampling:
-                end += 1
-            batch = [r for r, _ in queued[start:end]]
-            try:
-                completions = self._generate_batch(batch, sampling)
-            except torch.OutOfMemoryError as exc:
-                if len(batch) == 1:
-                    prompt = len(batch[0].prompt_tokens)
-                    raise GenerationOutOfMemory(
-                        f"generator: out of memory on a single request (prompt of {prompt} tokens, "
-                        f"max_new_tokens {sampling.max_new_tokens}); lower generation.max_new_tokens or "
-                        f"data.max_prompt_tokens, or give the generator more memory"
-                    ) from exc
-                completions = None
-            if completions is None:
-                # Past the handler, the traceback no longer holds the failed batch's tensors: they are freed.
-                self._shrink_batches(len(batch))
-                continue
-            finished.extend(completions)
-            start = end
-        return finished
-
-    def _shrink_batches(self, failed: int) -> None:
-        """After a batch of `failed` requests ran out of memory: release cached memory and halve
-        the batch size for this and later polls."""
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-        # Half the failed batch, not of max_batch_size: a short last batch may be far below the maximum.
-        self.max_batch_size = failed // 2
-        print(
-            f"generator: out of memory with a batch of {failed} requests; retrying with batches of {self.max_batch_size}",
-            file=sys.stderr,
-            flush=True,
-        )
-
     def generate(self, requests: Iterable[GenerationRequest], sampling: SamplingParams | None = None) -> list[Completion]:
         self.submit(requests, sampling)
         return self.poll()
 
     def close(self) -> None:
         self._queue = []
+        if self.decoder is not None:
+            self.decoder.release()
 
-    def _noise_keys(self, requests: list[GenerationRequest]) -> torch.Tensor:
-        keys = torch.full((len(requests),), self.seed & _M32, dtype=torch.int64)
-        for field in ("step", "prompt_index", "sample_index"):
-            keys = _combine(keys, torch.tensor([getattr(r, field) for r in requests], dtype=torch.int64))
-        return keys.to(self.device)
+    def poll(self) -> list[Completion]:
+        """Run every queued request to completion; runs of equal sampling params share batches."""
+        if self.paused:
+            return []
+        queued, self._queue = self._queue, []
+        if queued and self._auto_size:
+            need = max(len(r.prompt_tokens) + self._budget(r, sp) for r, sp in queued)
+            if self.cache is None or need > self.cache.max_len:
+                self._allocate(need)
+        finished: list[Completion] = []
+        start = 0
+        while start < len(queued):
+            end = start
+            while end < len(queued) and queued[end][1] == queued[start][1]:
+                end += 1
+            finished.extend(self._run([r for r, _ in queued[start:end]], queued[start][1]))
+            start = end
+        return finished
 
-    def _sample(self, logits: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, sp: SamplingParams):
-        """Next token and its log-prob for logits [B, V] (fp32); keys, positions [B] int64."""
-        if sp.temperature == 0:
-            return logits.argmax(-1), torch.log_softmax(logits, dim=-1).max(-1).values
-        scaled = logits / sp.temperature
-        logprobs = torch.log_softmax(scaled, dim=-1)
-        allowed = scaled
-        if sp.top_k > 0:
-            kth = torch.topk(scaled, min(sp.top_k, scaled.shape[-1]), dim=-1).values[:, -1:]
-            allowed = allowed.masked_fill(scaled < kth, float("-inf"))
-        if sp.top_p < 1.0:
-            probs, order = torch.softmax(allowed, dim=-1).sort(dim=-1, descending=True)
-            # Keep the smallest prefix whose mass reaches top_p: drop tokens whose preceding mass already does.
-            drop_sorted = probs.cumsum(-1) - probs >= sp.top_p
-            drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-            allowed = allowed.masked_fill(drop, float("-inf"))
-        row_hash = _combine(keys, positions)[:, None]
-        bits = _mix32(row_hash ^ self._vocab_hash[None, :]) >> 8
-        uniform = (bits.float() + 0.5) / 2**24
-        tokens = (allowed - torch.log(-torch.log(uniform))).argmax(-1)
-        return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+    @staticmethod
+    def _budget(request: GenerationRequest, sp: SamplingParams) -> int:
+        return sp.max_new_tokens if request.max_new_tokens is None else request.max_new_tokens
+
+    def _check_fits(self, requests: list[GenerationRequest], sp: SamplingParams) -> None:
+        for r in requests:
+            budget = self._budget(r, sp)
+            if not 1 <= budget <= sp.max_new_tokens:
+                raise ValueError(f"request max_new_tokens {budget} is outside 1..{sp.max_new_tokens}")
+            if len(r.prompt_tokens) + budget > self.cache.max_len:
+                raise ValueError(
+                    f"generator: a prompt of {len(r.prompt_tokens)} tokens + {budget} new tokens exceeds the "
+                    f"KV slot of {self.cache.max_len} tokens; raise generation.max_seq_len"
+                )
+
+    def _run(self, requests: list[GenerationRequest], sp: SamplingParams) -> list[Completion]:
+        """Continuous batching over `requests` (one sampling setting); completions in their order."""
+        self._check_fits(requests, sp)
+        keys = request_keys(self.seed, requests)
+        results: list[Completion | None] = [None] * len(requests)
+        # Longest budget first: a poll ends when its last request does, so long requests must not
+        # be the last to start (equal budgets keep submission order).
+        waiting = deque(sorted(range(len(requests)), key=lambda i: -self._budget(requests[i], sp)))
+        while waiting:
+            try:
+                self._drain(requests, keys, sp, waiting, results)
+            except torch.OutOfMemoryError as exc:
+                # Restarted from scratch below; keyed sampling makes the rerun produce the same completions.
+                interrupted = [i for i, c in enumerate(results) if c is None and i not in waiting]
+                waiting.extendleft(sorted(interrupted, key=lambda i: self._budget(requests[i], sp)))
+                self._shrink(exc, requests[waiting[0]], sp)
+        return results
+
+    def _shrink(self, exc: torch.OutOfMemoryError, request: GenerationRequest, sp: SamplingParams) -> None:
+        """After running out of memory: free cached memory and halve the batch limit."""
+        # Half of what was in flight, not of the limit: a short last batch may be far below it.
+        limit = self._in_flight
+        if limit <= 1:
+            raise GenerationOutOfMemory(
+                f"generator: out of memory on a single request (prompt of {len(request.prompt_tokens)} tokens, "
+                f"max_new_tokens {self._budget(request, sp)}); lower generation.max_new_tokens or "
+                f"data.max_prompt_tokens, or give the generator more memory"
+            ) from exc
+        self.decoder.release()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self.max_batch_size = limit // 2
+        print(
+            f"generator: out of memory with {limit} sequences at once; retrying with at most {self.max_batch_size}",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def _drain(self, requests, keys, sp, waiting: deque, results: list) -> None:
+        """Admit, decode and collect until every request in `waiting` has a completion."""
+        limit = min(self.max_batch_size, self.cache.num_slots)
+        free = list(range(self.cache.num_slots))
+        active: dict[int, int] = {}  # slot -> request index
+        checked: dict[int, int] = {}  # slot -> completion tokens already checked for stop strings
+        while waiting or active:
+            admit: list[int] = []
+            tokens = 0
+            while waiting and len(active) + len(admit) < limit:
+                length = len(requests[waiting[0]].prompt_tokens)
+                if admit and tokens + length > self.prefill_tokens:
+                    self._admit(requests, keys, sp, admit, free, active, checked)
+                    admit, tokens = [], 0
+                admit.append(waiting.popleft())
+                tokens += length
+            if admit:
+                self._admit(requests, keys, sp, admit, free, active, checked)
+            self.peak_active = max(self.peak_active, len(active))
+            self._in_flight = len(active)
+            self._decode_steps(sorted(active), sp, self.sync_every)
+            for slot, result in self._collect(requests, sp, active, checked).items():
+                results[active.pop(slot)] = result
+                free.append(slot)
+            free.sort()
+
+    def _admit(self, requests, keys, sp, admit: list[int], free: list[int], active: dict, checked: dict) -> None:
+        slots = [free.pop(0) for _ in admit]
+        self._in_flight = len(active) + len(admit)
+        self._prefill([requests[i] for i in admit], keys[admit], slots, sp)
+        for slot, i in zip(slots, admit):
+            active[slot] = i
+            checked[slot] = 0
+
+    def _decode_steps(self, slots: list[int], sp: SamplingParams, steps: int) -> None:
+        self.decoder.run(slots, sp, steps)
 
     @torch.no_grad()
-    def _generate_batch(self, requests: list[GenerationRequest], sp: SamplingParams) -> list[Completion]:
-        device = self.device
-        B = len(requests)
-        prompt_lens = torch.tensor([len(r.prompt_tokens) for r in requests], device=device)
-        width = int(prompt_lens.max())
-        prompts = torch.full((B, width), self.pad_id, dtype=torch.long)
-        for i, r in enumerate(requests):
-            prompts[i, : len(r.prompt_tokens)] = torch.tensor(r.prompt_tokens)
-        prompts = prompts.to(device)
-        cache = KVCache.allocate(self.args, B, width + sp.max_new_tokens, self.dtype, device)
-        positions = torch.arange(width, device=device).expand(B, width)
-        logits = self.model.decode(prompts, positions, cache, logits_index=prompt_lens - 1).float()
-        keys = self._noise_keys(requests)
+    def _prefill(self, requests: list[GenerationRequest], keys: torch.Tensor, slots: list[int], sp: SamplingParams) -> None:
+        """Prefill requests into their slots (each distinct prompt once when sharing) and draw
+        their first tokens."""
+        c, L = self.cache, self.cache.max_len
+        prompt_of: dict[tuple[int, ...], int] = {}
+        prompts: list[list[int]] = []
+        owner = []  # per request: index of its prompt in `prompts`
+        for r in requests:
+            key = tuple(r.prompt_tokens) if self.share_prefix else (len(prompts),)
+            if key not in prompt_of:
+                prompt_of[key] = len(prompts)
+                prompts.append(r.prompt_tokens)
+            owner.append(prompt_of[key])
+        lengths = torch.tensor([len(p) for p in prompts])
+        starts = torch.cumsum(lengths, 0) - lengths
+        cu = torch.cat((torch.zeros(1, dtype=torch.int64), torch.cumsum(lengths, 0))).to(torch.int32)
+        positions = torch.cat([torch.arange(n) for n in lengths.tolist()])
+        source = torch.cat([starts[p] + torch.arange(lengths[p]) for p in owner])
+        target = torch.cat([slot * L + torch.arange(lengths[p]) for slot, p in zip(slots, owner)])
+        dev = self.device
+        attend = c.prefill_attention(source.to(dev), target.to(dev), cu.to(dev), int(lengths.max()))
+        tokens = torch.tensor([t for p in prompts for t in p], dtype=torch.int64, device=dev)
+        logits = self.model.decode(tokens, positions.to(dev), attend, logits_index=(starts + lengths - 1).to(dev))
+        owner_t = torch.tensor(owner, device=dev)
+        prompt_lens = lengths[owner].to(dev)
+        keys = keys.to(dev)
+        first, logprob = self._sample(logits[owner_t], keys, prompt_lens, self._token_hash, sp)
+        s = torch.tensor(slots, device=dev)
+        budget = torch.tensor([self._budget(r, sp) for r in requests], device=dev)
+        hit_eos = torch.isin(first, self.eos_ids)
+        c.last_token[s], c.position[s], c.key[s], c.budget[s] = first, prompt_lens, keys, budget
+        c.generated[s] = 1
+        c.out_tokens[s, 0], c.out_logprobs[s, 0] = first, logprob
+        c.eos[s], c.done[s] = hit_eos, hit_eos | (budget <= 1)
 
-        out_tokens = torch.full((B, sp.max_new_tokens), self.pad_id, dtype=torch.long, device=device)
-        out_logprobs = torch.zeros((B, sp.max_new_tokens), dtype=torch.float32, device=device)
-        lengths = torch.zeros(B, dtype=torch.long, device=device)
-        done = torch.zeros(B, dtype=torch.bool, device=device)
-        reasons = ["length"] * B
-        for t in range(sp.max_new_tokens):
-            tokens, logprobs = self._sample(logits, keys, prompt_lens + t, sp)
-            active = ~done
-            out_tokens[active, t] = tokens[active]
-            out_logprobs[active, t] = logprobs[active]
-            lengths += active.long()
-            hit_eos = active & torch.isin(tokens, self.eos_ids)
-            done |= hit_eos
-            for i in hit_eos.nonzero().flatten().tolist():
-                reasons[i] = "eos"
-            if self.stop_strings:
-                for i in (active & ~hit_eos).nonzero().flatten().tolist():
-                    text = self.decode_text(out_tokens[i, : t + 1].tolist())
-                    if any(stop in text for stop in self.stop_strings):
-                        done[i] = True
-                        reasons[i] = "stop"
-            if bool(done.all()) or t == sp.max_new_tokens - 1:
-                break
-            logits = self.model.decode(tokens[:, None], (prompt_lens + t)[:, None], cache)[:, 0].float()
-
-        out_tokens, out_logprobs, lengths = out_tokens.cpu(), out_logprobs.cpu(), lengths.tolist()
-        return [
-            Completion(
-                request=r,
-                tokens=out_tokens[i, : lengths[i]].tolist(),
-                logprobs=out_logprobs[i, : lengths[i]].tolist(),
-                finish_reason=reasons[i],
+    def _collect(self, requests, sp, active: dict, checked: dict) -> dict[int, Completion]:
+        """Completions of the slots that finished (EOS, budget or a stop string), by slot."""
+        if not active:
+            return {}
+        c = self.cache
+        slots = sorted(active)
+        s = torch.tensor(slots, device=self.device)
+        state = torch.stack((c.done[s].long(), c.eos[s].long(), c.generated[s])).cpu()
+        done, eos, generated = state[0].bool().tolist(), state[1].bool().tolist(), state[2].tolist()
+        stops = self._stop_lengths(slots, generated, eos, checked) if self.stop_strings else {}
+        ended = [i for i, slot in enumerate(slots) if done[i] or slot in stops]
+        if not ended:
+            return {}
+        rows = s[ended]
+        width = max(generated[i] for i in ended)
+        out_tokens = c.out_tokens[rows, :width].cpu()
+        out_logprobs = c.out_logprobs[rows, :width].cpu()
+        finished = {}
+        for j, i in enumerate(ended):
+            slot = slots[i]
+            n = stops.get(slot, generated[i])
+            reason = "stop" if slot in stops else "eos" if eos[i] else "length"
+            finished[slot] = Completion(
+                request=requests[active[slot]],
+                tokens=out_tokens[j, :n].tolist(),
+                logprobs=out_logprobs[j, :n].tolist(),
+                finish_reason=reason,
                 version=self.version,
             )
-            for i, r in enumerate(requests)
-        ]
+        return finished
+
+    def _stop_lengths(self, slots: list[int], generated: list[int], eos: list[bool], checked: dict) -> dict[int, int]:
+        """Slots whose text reached a stop string -> the completion length that ends at it.
+
+        Token t is checked once the prefix up to t exists; an EOS token ends by EOS instead."""
+        rows = torch.tensor(slots, device=self.device)
+        tokens = self.cache.out_tokens[rows, : max(generated)].cpu()
+        found = {}
+        for i, slot in enumerate(slots):
+            last = generated[i] - 1 if eos[i] else generated[i]
+            for t in range(checked[slot], last):
+                text = self.decode_text(tokens[i, : t + 1].tolist())
+                if any(stop in text for stop in self.stop_strings):
+                    found[slot] = t + 1
+                    break
+            checked[slot] = last
+        return found

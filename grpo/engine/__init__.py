@@ -1,0 +1,13 @@
+"""Generation engines behind one interface: submit / poll / generate / update_weights / pause /
+resume / close. `NativeEngine` (native.py) is ours; the pieces it is built from:
+
+- types.py: requests, sampling parameters, completions
+- sampling.py: keyed Gumbel-max sampling with top-k / top-p, all on the device
+- cache.py: the slotted KV cache and per-slot decode state, allocated once from a memory budget
+- decode.py: one decode step over cache slots, eager or replayed from CUDA graphs per batch bucket
+"""
+
+from grpo.engine.native import NativeEngine
+from grpo.engine.types import Completion, GenerationOutOfMemory, GenerationRequest, SamplingParams, WeightUpdate
+
+__all__ = ["Completion", "GenerationOutOfMemory", "GenerationRequest", "NativeEngine", "SamplingParams", "WeightUpdate"]

@@ -1,0 +1,94 @@
+"""The engine's KV cache: fixed-size slots allocated once from a memory budget, and the per-slot
+decode state that lives beside it on the device.
+
+A slot holds one sequence (prompt + completion) of up to `max_len` tokens. Slots are taken by
+requests as they are admitted and given back when they finish (continuous batching); the buffers
+themselves are allocated once per engine and never resized, so weight updates and CUDA graphs
+keep pointing at the same memory. One extra slot (index `num_slots`) is scratch: padding rows of a
+captured decode batch read and write it, and nothing real lives there.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from model import ModelArgs
+from model.attention import slot_decode, varlen_prefill
+
+
+def slot_bytes(args: ModelArgs, max_len: int, dtype: torch.dtype) -> int:
+    """Bytes of K and V over all layers for one slot of max_len tokens."""
+    per_token = 2 * args.n_layers * args.n_kv_heads * args.head_dim * torch.empty((), dtype=dtype).element_size()
+    return per_token * max_len
+
+
+def slots_for_budget(args: ModelArgs, max_len: int, dtype: torch.dtype, budget_bytes: int, max_slots: int) -> int:
+    """How many slots of max_len tokens fit in budget_bytes (the scratch slot included), at most max_slots."""
+    return max(0, min(max_slots, budget_bytes // slot_bytes(args, max_len, dtype) - 1))
+
+
+class SlotCache:
+    """K/V buffers [num_slots + 1, max_len, n_kv_heads, head_dim] per layer, plus per-slot state."""
+
+    def __init__(self, args: ModelArgs, num_slots: int, max_len: int, dtype: torch.dtype, device: torch.device):
+        self.num_slots, self.max_len, self.device = num_slots, max_len, device
+        self.scratch = num_slots
+        shape = (num_slots + 1, max_len, args.n_kv_heads, args.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(args.n_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(args.n_layers)]
+        n = num_slots + 1
+        # Per slot: the token to feed next and its position, the noise key, the request's budget,
+        # tokens generated so far, whether it is finished and whether EOS finished it.
+        self.last_token = torch.zeros(n, dtype=torch.int64, device=device)
+        self.position = torch.zeros(n, dtype=torch.int64, device=device)
+        self.key = torch.zeros(n, dtype=torch.int64, device=device)
+        self.budget = torch.ones(n, dtype=torch.int64, device=device)
+        self.generated = torch.zeros(n, dtype=torch.int64, device=device)
+        self.done = torch.ones(n, dtype=torch.bool, device=device)
+        self.eos = torch.zeros(n, dtype=torch.bool, device=device)
+        # Completion tokens and log-probs per slot, written in place as they are drawn.
+        self.out_tokens = torch.zeros((n, max_len), dtype=torch.int64, device=device)
+        self.out_logprobs = torch.zeros((n, max_len), dtype=torch.float32, device=device)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the K/V buffers."""
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def flat(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer's K, V viewed as [(num_slots + 1) * max_len, n_kv_heads, head_dim]."""
+        k, v = self.k[layer], self.v[layer]
+        return k.view(-1, *k.shape[2:]), v.view(-1, *v.shape[2:])
+
+    def prefill_attention(
+        self, write_source: torch.Tensor, write_target: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int
+    ):
+        """attend() for Transformer.decode over packed prompts.
+
+        Token write_source[j] of the packed batch is stored at flat cache row write_target[j]
+        (slot * max_len + position); a prompt shared by several slots is listed once per slot.
+        Attention runs over the packed prompts themselves (causal within each), not the cache.
+        """
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            k_flat, v_flat = self.flat(layer)
+            k_flat.index_copy_(0, write_target, k.index_select(0, write_source))
+            v_flat.index_copy_(0, write_target, v.index_select(0, write_source))
+            return varlen_prefill(q, k, v, cu_seqlens, max_len)
+
+        return attend
+
+    def decode_attention(self, slots: torch.Tensor, positions: torch.Tensor):
+        """attend() for one decode step: row b's token sits at positions[b] of slot slots[b]
+        (both [B] int64); its K/V are stored there and it attends over the slot's first
+        positions[b] + 1 keys."""
+        write_target = slots * self.max_len + positions
+        lengths = (positions + 1).to(torch.int32)
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            k_flat, v_flat = self.flat(layer)
+            k_flat.index_copy_(0, write_target, k)
+            v_flat.index_copy_(0, write_target, v)
+            return slot_decode(q, self.k[layer], self.v[layer], slots, lengths)
+
+        return attend

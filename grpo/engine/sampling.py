@@ -1,0 +1,74 @@
+"""Keyed sampling: a completion depends only on its key (seed, step, prompt, sample) and the weights.
+
+The draw is Gumbel-max with noise hashed from (key, position, token id), so no random generator
+state is shared between requests and batching never changes a sample. Log-probs are
+log softmax(logits / temperature) over the full vocabulary; top-k / top-p only restrict which
+tokens may be drawn. Everything here is device-side tensor code without host synchronisation, so
+it can be captured in a CUDA graph together with the decode step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from grpo.engine.types import GenerationRequest, SamplingParams
+
+_M32 = 0xFFFFFFFF
+
+
+def mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (xor-shift-multiply) on int64 tensors holding values < 2**32."""
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _M32
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _M32
+    return (x >> 16) ^ x
+
+
+def combine(h: torch.Tensor, value: torch.Tensor | int) -> torch.Tensor:
+    """Hash `value` into the running hash h (both int64 holding 32-bit values)."""
+    return mix32((h ^ (torch.as_tensor(value, device=h.device) & _M32)) + 0x9E3779B9 & _M32)
+
+
+def vocab_hash(vocab_size: int, device: torch.device) -> torch.Tensor:
+    """[V] int64: the per-token-id part of the noise hash, computed once per engine."""
+    return mix32(torch.arange(vocab_size, device=device, dtype=torch.int64))
+
+
+def request_keys(seed: int, requests: Sequence[GenerationRequest]) -> torch.Tensor:
+    """[R] int64 (CPU): each request's noise key from (seed, step, prompt index, sample index)."""
+    keys = torch.full((len(requests),), seed & _M32, dtype=torch.int64)
+    for field in ("step", "prompt_index", "sample_index"):
+        keys = combine(keys, torch.tensor([getattr(r, field) for r in requests], dtype=torch.int64))
+    return keys
+
+
+def sample(
+    logits: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, token_hash: torch.Tensor, sp: SamplingParams
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next token and its log-prob: logits [B, V] (any float dtype), keys and positions [B] int64
+    (the position the drawn token will occupy) -> tokens [B] int64, logprobs [B] fp32.
+
+    Greedy (temperature 0) reports the log-prob at temperature 1.
+    """
+    logits = logits.float()
+    if sp.temperature == 0:
+        tokens = logits.argmax(-1)
+        return tokens, logits.gather(-1, tokens[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    scaled = logits / sp.temperature
+    allowed = scaled
+    if sp.top_k > 0:
+        kth = torch.topk(scaled, min(sp.top_k, scaled.shape[-1]), dim=-1).values[:, -1:]
+        allowed = allowed.masked_fill(scaled < kth, float("-inf"))
+    if sp.top_p < 1.0:
+        probs, order = torch.softmax(allowed, dim=-1).sort(dim=-1, descending=True)
+        # Keep the smallest prefix whose mass reaches top_p: drop tokens whose preceding mass already does.
+        drop_sorted = probs.cumsum(-1) - probs >= sp.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        allowed = allowed.masked_fill(drop, float("-inf"))
+    row_hash = combine(keys, positions)[:, None]
+    bits = mix32(row_hash ^ token_hash[None, :]) >> 8
+    uniform = (bits.float() + 0.5) / 2**24
+    tokens = (allowed - torch.log(-torch.log(uniform))).argmax(-1)
+    chosen = scaled.gather(-1, tokens[:, None]).squeeze(-1)
+    return tokens, chosen - torch.logsumexp(scaled, dim=-1)
