@@ -1,10 +1,10 @@
 """Guard rails: the trainer skips non-finite updates on every rank alike (grpo/trainer.py), and the
-engine retries a batch that runs out of memory in halves (grpo/engine.py).
+engine halves its batch when it runs out of memory (grpo/engine/native.py).
 
 Faults are injected from outside the code under test: a gradient hook that turns the policy's
 log-prob gradients into NaN (finite loss, non-finite gradient norm), a wrapped `policy_loss` whose
 value is NaN or inf while its gradient stays finite (non-finite loss only), and a wrapped
-`_generate_batch` that raises torch.OutOfMemoryError for batches above a size.
+`_decode_steps` that raises torch.OutOfMemoryError for decode batches above a size.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 
 import grpo.trainer
 from grpo.config import GRPOConfig, OptimizerConfig
-from grpo.engine import Completion, GenerationOutOfMemory, GenerationRequest, NativeEngine, SamplingParams
+from grpo.engine import GenerationOutOfMemory, GenerationRequest, NativeEngine, SamplingParams
 from grpo.episode import EpisodeBatch
 from grpo.loss import policy_loss
 from grpo.trainer import Trainer
@@ -204,32 +204,34 @@ def make_requests() -> list[GenerationRequest]:
 
 
 def fail_above(engine: NativeEngine, limit: int) -> list[int]:
-    """Make the engine's batches of more than `limit` requests run out of memory; returns the sizes tried."""
-    original = engine._generate_batch
+    """Make the engine's decode batches of more than `limit` sequences run out of memory; returns
+    the batch sizes tried."""
+    original = engine._decode_steps
     sizes: list[int] = []
 
-    def generate_batch(requests: list[GenerationRequest], sp: SamplingParams) -> list[Completion]:
-        sizes.append(len(requests))
-        if len(requests) > limit:
+    def decode_steps(slots: list[int], sp: SamplingParams, steps: int) -> None:
+        sizes.append(len(slots))
+        if len(slots) > limit:
             raise torch.OutOfMemoryError("CUDA out of memory (injected)")
-        return original(requests, sp)
+        original(slots, sp, steps)
 
-    engine._generate_batch = generate_batch
+    engine._decode_steps = decode_steps
     return sizes
 
 
-def test_out_of_memory_retries_in_halves_with_the_same_completions(ref, capsys):
+def test_out_of_memory_halves_the_batch_with_the_same_completions(ref, capsys):
     reqs = make_requests()
     engine = engine_of(ref)
     sizes = fail_above(engine, 5)
     got = engine.generate(reqs)
-    assert sizes == [16, 8, 4, 4, 4, 4]
+    assert sizes[:3] == [16, 8, 4] and max(sizes[3:]) == 4
     assert engine.max_batch_size == 4
     assert capsys.readouterr().err.splitlines() == [
-        "generator: out of memory with a batch of 16 requests; retrying with batches of 8",
-        "generator: out of memory with a batch of 8 requests; retrying with batches of 4",
+        "generator: out of memory with 16 sequences at once; retrying with at most 8",
+        "generator: out of memory with 8 sequences at once; retrying with at most 4",
     ]
-    # bitwise the completions of batches of the reduced size: no request lost, reordered or altered by the retries
+    # bitwise the completions of a run limited to 4 sequences: no request lost, reordered or altered
+    # by the restarts
     assert got == engine_of(ref, max_batch_size=4).generate(reqs)
     # and, batching not entering the sampling, those of the un-halved run (log-probs up to float
     # summation order, which the CPU's matmul kernels vary with the batch shape)
@@ -238,9 +240,9 @@ def test_out_of_memory_retries_in_halves_with_the_same_completions(ref, capsys):
     assert [(c.tokens, c.finish_reason, c.version) for c in got] == [(c.tokens, c.finish_reason, c.version) for c in whole]
     for c, w in zip(got, whole):
         assert c.logprobs == pytest.approx(w.logprobs, abs=1e-5)
-    # the smaller size stays: a later poll runs out of memory no more
+    # the smaller limit stays: a later poll runs out of memory no more
     sizes.clear()
-    assert engine.generate(reqs) == got and sizes == [4, 4, 4, 4]
+    assert engine.generate(reqs) == got and max(sizes) == 4
     assert capsys.readouterr().err == ""
 
 
@@ -252,5 +254,5 @@ def test_out_of_memory_on_a_single_request_is_an_error(ref, capsys):
     assert isinstance(info.value.__cause__, torch.OutOfMemoryError)
     assert sizes == [3, 1]
     assert capsys.readouterr().err.splitlines() == [
-        "generator: out of memory with a batch of 3 requests; retrying with batches of 1"
+        "generator: out of memory with 3 sequences at once; retrying with at most 1"
     ]

@@ -18,7 +18,6 @@ from torch.utils._pytree import tree_leaves
 import model.model as model_module
 from model import (
     CheckpointError,
-    KVCache,
     ModelArgs,
     TokenLogprobs,
     Transformer,
@@ -28,6 +27,7 @@ from model import (
 )
 from model.args import SUPPORTED_ARCHITECTURES, SUPPORTED_ROPE_TYPES
 from model.model import rope_inv_freq
+from grpo.engine.cache import SlotCache
 
 transformers = pytest.importorskip("transformers")
 
@@ -542,7 +542,7 @@ def test_logprobs_and_entropy_match_full_logits(temperature, monkeypatch):
     assert expected_entropy.min() > 0.1  # distributions are not degenerate
 
 
-# --------------------------------------------------------------------------------------------- 8. KV cache
+# --------------------------------------------------------------------------------------------- 8. KV cache (the engine's slots)
 
 
 LLAMA3_NATIVE = dict(
@@ -553,50 +553,36 @@ LLAMA3_NATIVE = dict(
 
 
 @pytest.mark.parametrize("arch_overrides", [{}, LLAMA3_NATIVE], ids=["qwen3-bias", "llama3-rope"])
-def test_kv_cache_decode_matches_full_forward(arch_overrides):
+def test_slot_cache_decode_matches_full_forward(arch_overrides):
+    """Prompts of mixed lengths prefilled packed into arbitrary slots, then decoded a token at a time:
+    every logit equals that sequence's own full forward."""
     model = native_model(seed=2, **arch_overrides)
     V = model.args.vocab_size
     gen = torch.Generator().manual_seed(5)
-    prompt_lens = [5, 12, 3]
-    steps = 6
-    B, P = len(prompt_lens), max(prompt_lens)
+    prompt_lens, slots, steps, L = [5, 12, 3], [2, 0, 3], 6, 20
     full = [torch.randint(V, (n + steps,), generator=gen) for n in prompt_lens]
+    cache = SlotCache(model.args, num_slots=4, max_len=L, dtype=torch.float32, device=torch.device("cpu"))
     with torch.no_grad():
-        reference = [model(seq[None])[0] for seq in full]  # each row alone, one full forward
-
-        cache = KVCache.allocate(model.args, B, P + steps, torch.float32, "cpu")
-        prompts = torch.zeros(B, P, dtype=torch.long)  # right-padded
-        for b, n in enumerate(prompt_lens):
-            prompts[b, :n] = full[b][:n]
+        reference = [model(seq[None])[0] for seq in full]  # each sequence alone, one full forward
         lengths = torch.tensor(prompt_lens)
-        logits = model.decode(prompts, torch.arange(P).expand(B, P), cache, logits_index=lengths - 1)
-        assert logits.shape == (B, V)
+        starts = torch.cumsum(lengths, 0) - lengths
+        cu = torch.cat((torch.zeros(1, dtype=torch.long), lengths.cumsum(0))).int()
+        tokens = torch.cat([seq[:n] for seq, n in zip(full, prompt_lens)])
+        positions = torch.cat([torch.arange(n) for n in prompt_lens])
+        target = torch.cat([s * L + torch.arange(n) for s, n in zip(slots, prompt_lens)])
+        attend = cache.prefill_attention(torch.arange(len(tokens)), target, cu, max(prompt_lens))
+        logits = model.decode(tokens, positions, attend, logits_index=starts + lengths - 1)
+        assert logits.shape == (3, V)
         for b, n in enumerate(prompt_lens):
             torch.testing.assert_close(logits[b], reference[b][n - 1], atol=1e-5, rtol=0)
+        rows = torch.tensor(slots)
         for s in range(steps):
             pos = lengths + s
-            step_tokens = torch.stack([full[b][pos[b]] for b in range(B)])[:, None]
-            logits = model.decode(step_tokens, pos[:, None], cache)
-            assert logits.shape == (B, 1, V)
-            for b in range(B):
-                torch.testing.assert_close(logits[b, 0], reference[b][pos[b]], atol=1e-5, rtol=0)
-
-
-def test_kv_cache_uniform_batch_prefill_all_positions():
-    model = native_model(seed=3)
-    V = model.args.vocab_size
-    tokens = random_tokens(2, 14, V, seed=6)
-    prompt, steps = 9, tokens.shape[1] - 9
-    with torch.no_grad():
-        reference = model(tokens)  # one batched full forward
-        cache = KVCache.allocate(model.args, 2, tokens.shape[1] + 3, torch.float32, "cpu")
-        logits = model.decode(tokens[:, :prompt], torch.arange(prompt).expand(2, prompt), cache)
-        assert logits.shape == (2, prompt, V)
-        torch.testing.assert_close(logits, reference[:, :prompt], atol=1e-5, rtol=0)
-        for s in range(steps):
-            pos = torch.full((2, 1), prompt + s)
-            logits = model.decode(tokens[:, prompt + s : prompt + s + 1], pos, cache)
-            torch.testing.assert_close(logits[:, 0], reference[:, prompt + s], atol=1e-5, rtol=0)
+            step_tokens = torch.stack([full[b][pos[b]] for b in range(3)])
+            logits = model.decode(step_tokens, pos, cache.decode_attention(rows, pos))
+            assert logits.shape == (3, V)
+            for b in range(3):
+                torch.testing.assert_close(logits[b], reference[b][pos[b]], atol=1e-5, rtol=0)
 
 
 # --------------------------------------------------------------------------------------------- 9. memory

@@ -1,0 +1,131 @@
+"""The engine against HF transformers and against itself under every batching it can do.
+
+- Greedy completions equal HF `generate` (one prompt at a time, fp32) for tiny random Qwen3,
+  Llama 3 and Qwen2 checkpoints, with prompts of mixed lengths in one engine batch.
+- A request's tokens and log-probs do not depend on its company: alone, in a full batch, admitted
+  into a refilled slot (more requests than slots), and with prompt-prefill sharing on or off.
+- The KV cache never holds more sequences than its budget allows.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from grpo.engine import GenerationRequest, NativeEngine, SamplingParams
+from grpo.engine.cache import slot_bytes
+from model import from_hf
+from tests.dist_utils import one_thread
+from tests.test_engine import ARGS, EOS, make_engine, prompts, ref  # noqa: F401 (ref: a fixture)
+from tests.test_model import ARCHS, make_hf
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    with one_thread():
+        yield
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_equals_hf_generate(arch, tmp_path):
+    hf = make_hf(arch, seed=3)
+    hf.save_pretrained(str(tmp_path))
+    native = from_hf(str(tmp_path), dtype=torch.float32, device="cpu")
+    V = native.args.vocab_size
+    g = torch.Generator().manual_seed(7)
+    plist = [torch.randint(0, V, (n,), generator=g).tolist() for n in (3, 17, 9, 30, 1, 12)]
+    new = 12
+    engine = NativeEngine(native.args, SamplingParams(max_new_tokens=new, temperature=0.0), eos_ids=[],
+                          seed=0, dtype=torch.float32, device="cpu", max_batch_size=4)
+    engine.update_weights([[(n, (), p) for n, p in native.named_parameters()]], version=0)
+    out = engine.generate([GenerationRequest(p, 0, i, 0) for i, p in enumerate(plist)])
+    with torch.no_grad():
+        for p, c in zip(plist, out):
+            ids = torch.tensor([p])
+            want = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                               do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
+            assert c.tokens == want, (arch, len(p))
+            assert c.finish_reason == "length"
+
+
+def _requests(n_prompts: int, samples: int) -> list[GenerationRequest]:
+    return [GenerationRequest(p, 2, i, s) for i, p in enumerate(prompts(n_prompts, seed=11)) for s in range(samples)]
+
+
+def _same(a, b):
+    assert [c.request for c in a] == [c.request for c in b]
+    for x, y in zip(a, b):
+        assert x.tokens == y.tokens and x.finish_reason == y.finish_reason
+        assert x.logprobs == pytest.approx(y.logprobs, abs=1e-5)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_request_does_not_depend_on_its_batch(ref, temperature):
+    sampling = SamplingParams(max_new_tokens=10, temperature=temperature)
+    reqs = _requests(6, samples=4)
+    full = make_engine(ref, sampling, seed=5).generate(reqs)
+    # alone: one request per poll
+    alone_engine = make_engine(ref, sampling, seed=5)
+    _same([alone_engine.generate([r])[0] for r in reqs], full)
+    # refilled slots: 3 slots for 24 requests, so most requests start in a slot another just left
+    refilled = make_engine(ref, sampling, seed=5, max_batch_size=3)
+    _same(refilled.generate(reqs), full)
+    assert refilled.peak_active == 3
+    # each sample prefilled on its own rather than once per prompt
+    _same(make_engine(ref, sampling, seed=5, share_prefix=False).generate(reqs), full)
+    # checked every step rather than every 8
+    _same(make_engine(ref, sampling, seed=5, sync_every=1).generate(reqs), full)
+
+
+def test_shared_prefill_runs_each_prompt_once(ref):
+    sampling = SamplingParams(max_new_tokens=4, temperature=1.0)
+    reqs = _requests(3, samples=5)
+    for share, expected in ((True, sum(len(p) for p in prompts(3, seed=11))), (False, sum(len(r.prompt_tokens) for r in reqs))):
+        engine = make_engine(ref, sampling, seed=1, share_prefix=share)
+        seen = []
+        decode = engine.model.decode
+
+        def counting(tokens, positions, attend, logits_index=None):
+            if logits_index is not None:  # a prefill
+                seen.append(tokens.numel())
+            return decode(tokens, positions, attend, logits_index)
+
+        engine.model.decode = counting
+        engine.generate(reqs)
+        assert sum(seen) == expected
+
+
+def test_kv_budget_is_never_exceeded(ref):
+    max_len = 24
+    per_slot = slot_bytes(ARGS, max_len, torch.float32)
+    budget_gb = 4.5 * per_slot / 1e9  # room for 3 slots and the scratch slot
+    sampling = SamplingParams(max_new_tokens=12, temperature=1.0)
+    engine = make_engine(ref, sampling, seed=2, max_seq_len=max_len, kv_cache_gb=budget_gb)
+    assert engine.cache.num_slots == 3
+    assert engine.cache.nbytes <= budget_gb * 1e9
+    reqs = _requests(5, samples=2)
+    _same(engine.generate(reqs), make_engine(ref, sampling, seed=2).generate(reqs))
+    assert engine.peak_active == 3
+
+
+def test_a_budget_without_room_for_one_sequence_is_refused(ref):
+    with pytest.raises(ValueError, match=r"holds no sequence of 64 tokens.*raise generation.kv_cache_gb"):
+        make_engine(ref, SamplingParams(max_new_tokens=8), max_seq_len=64, kv_cache_gb=1e-9)
+
+
+def test_a_request_longer_than_the_slot_is_refused(ref):
+    engine = make_engine(ref, SamplingParams(max_new_tokens=8), max_seq_len=12)
+    with pytest.raises(ValueError, match=r"prompt of 6 tokens \+ 8 new tokens exceeds the KV slot of 12 tokens"):
+        engine.generate([GenerationRequest([1] * 6, 0, 0, 0)])
+
+
+def test_per_request_budgets_end_each_completion_at_its_own(ref):
+    sampling = SamplingParams(max_new_tokens=9, temperature=1.0)
+    reqs = [GenerationRequest(p, 0, i, 0, max_new_tokens=1 + i % 9) for i, p in enumerate(prompts(12, seed=3))]
+    out = make_engine(ref, sampling, seed=4, eos_ids=()).generate(reqs)
+    full = make_engine(ref, sampling, seed=4, eos_ids=()).generate([GenerationRequest(r.prompt_tokens, 0, r.prompt_index, 0) for r in reqs])
+    for c, f, r in zip(out, full, reqs):
+        assert len(c.tokens) == r.max_new_tokens and c.finish_reason == "length"
+        assert c.tokens == f.tokens[: r.max_new_tokens]
