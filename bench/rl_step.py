@@ -1,0 +1,162 @@
+"""The realistic colocated RL step: a Qwen3-0.6B body on GSM8K-format prompts, one GPU.
+
+    python3 bench/rl_step.py [--steps N] [--skip K] [-- extra train_grpo.py overrides]
+    python3 bench/rl_step.py --tiny --steps 2 -- --data.prompts_per_step=4 --generation.max_new_tokens=8   # CPU smoke test
+
+Builds (once, in --workdir) a random-weight bf16 HF checkpoint with the Qwen3-0.6B body (28 layers,
+hidden 1024, 16 / 8 heads, head_dim 128, FFN 3072, tied embeddings) and the 600-token BPE tokenizer
+of tests/hf_fixtures.py, so the step is the real model's compute without the 152k-token vocab.
+Then runs `train_grpo.py` colocated on one rank: 64 prompts x 8 samples, 256 new tokens, math
+rewards, lr 1e-6. Prints one JSON line per step (time split, throughput, engine vs trainer
+log-prob gap) and a summary line with medians over the steps after the first --skip.
+Extra overrides after `--` come last, so they win over the defaults here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from tests.hf_fixtures import FIXTURE, SYSTEM, build_tokenizer  # noqa: E402
+
+QWEN3_0_6B = {"layers": 28, "dim": 1024, "heads": 16, "kv_heads": 8, "head_dim": 128, "ffn": 3072}
+TINY = {"layers": 2, "dim": 64, "heads": 4, "kv_heads": 2, "head_dim": 16, "ffn": 128}
+PER_STEP = (
+    "time/step_s", "time/generate_s", "time/score_s", "time/train_s", "time/weight_sync_s",
+    "throughput/generate_tok_s", "throughput/train_tok_s", "throughput/mfu",
+    "episode/length_mean", "logprob_diff/mean", "logprob_diff/max",
+)
+MEDIANS = PER_STEP[:8] + ("episode/length_mean",)
+
+
+def build_checkpoint(folder: Path, body: dict[str, int]) -> Path:
+    """Random bf16 Qwen3 with the given body, sized to the fixture BPE; reused if already there."""
+    if (folder / "config.json").is_file() and (folder / "model.safetensors").is_file():
+        return folder
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config
+
+    build_tokenizer(folder)
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    config = Qwen3Config(
+        vocab_size=len(tokenizer), hidden_size=body["dim"], intermediate_size=body["ffn"],
+        num_hidden_layers=body["layers"], num_attention_heads=body["heads"], num_key_value_heads=body["kv_heads"],
+        head_dim=body["head_dim"], tie_word_embeddings=True, rope_theta=1e6, max_position_embeddings=4096,
+        dtype="bfloat16", eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(str(folder))
+    return folder
+
+
+def build_prompts(path: Path, count: int) -> Path:
+    """`count` distinct prompts: the fixture rows repeated, each copy's question numbered so that
+    held-out and training prompts never collide."""
+    rows = [json.loads(line) for line in FIXTURE.read_text(encoding="utf-8").splitlines()]
+    with path.open("w", encoding="utf-8") as f:
+        for k in range(count):
+            row = rows[k % len(rows)]
+            f.write(json.dumps({"question": f"Problem {k}: {row['question']}", "answer": row["answer"]}) + "\n")
+    return path
+
+
+def override(extra: list[str], key: str, default: int) -> int:
+    """The value train_grpo.py will see for an int key: the last of `--key=v` / `--key v` in `extra`."""
+    value = default
+    for i, arg in enumerate(extra):
+        if arg.startswith(f"--{key}="):
+            value = int(arg.split("=", 1)[1])
+        elif arg == f"--{key}" and i + 1 < len(extra):
+            value = int(extra[i + 1])
+    return value
+
+
+def git_commit() -> str:
+    result = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    return result.stdout.strip() or "unknown"
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    extra = argv[argv.index("--") + 1 :] if "--" in argv else []
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workdir", type=Path, default=Path("/tmp/tandem-rl-step"))
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--skip", type=int, default=1, help="steps left out of the medians (warm-up)")
+    parser.add_argument("--layers", type=int, default=None, help="override the number of decoder layers")
+    parser.add_argument("--eval-prompts", type=int, default=16, help="held-out prompts (evaluated outside the step)")
+    parser.add_argument("--tiny", action="store_true", help="2-layer, dim-64 body for a CPU smoke test")
+    opts = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
+
+    body = dict(TINY if opts.tiny else QWEN3_0_6B)
+    body["layers"] = opts.layers or body["layers"]
+    opts.workdir.mkdir(parents=True, exist_ok=True)
+    # One folder per body, so a --tiny run never leaves a checkpoint the full run would reuse.
+    ckpt = build_checkpoint(opts.workdir / f"qwen3-{body['layers']}L-{body['dim']}d", body)
+
+    defaults = {
+        "parallelism.mode": "colocated", "data.prompts_per_step": "64", "grpo.group_size": "8",
+        "generation.max_new_tokens": "256", "training.steps": str(opts.steps), "eval.num_prompts": str(opts.eval_prompts),
+        # The fixture's prompts render to 75-95 tokens: a 256-token cap keeps each KV slot at 512 tokens.
+        "data.max_prompt_tokens": "256",
+    }
+    # Size the prompt file from what the run will actually use, forwarded overrides included.
+    steps = override(extra, "training.steps", opts.steps)
+    needed = steps * override(extra, "data.prompts_per_step", 64) + override(extra, "eval.num_prompts", opts.eval_prompts)
+    data = build_prompts(opts.workdir / "prompts.jsonl", needed)
+
+    run_dir = opts.workdir / "run"
+    # A leftover run would be resumed (checkpoint.resume = "auto") with nothing left to do.
+    shutil.rmtree(run_dir, ignore_errors=True)
+    args = [f"--{key}={value}" for key, value in defaults.items()] + [
+        f"--model.path={ckpt}", f"--data.path={data}", f"--data.system_prompt={SYSTEM}", "--data.enable_thinking=off",
+        '--rewards.functions=["math_accuracy"]', "--rewards.weights=[1.0]", "--optimizer.lr=1e-6",
+        # The default 512 episodes per forward would not fit the 0.6B body's activations on one GPU.
+        "--training.micro_batch_size=64",
+        # eval can only be made rare: it runs at step 0 and after the last step, outside time/step_s.
+        "--eval.every=0", "--checkpoint.every=0", "--checkpoint.resume=none", "--metrics.samples_every=0",
+        "--metrics.progress_bar=false", f"--job.output_dir={run_dir}",
+    ]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "train_grpo.py"]
+    # The run's own output goes to stderr so that stdout carries only the JSON lines.
+    result = subprocess.run([*command, *args, *extra], cwd=REPO, stdout=sys.stderr)
+    if result.returncode != 0:
+        raise SystemExit(f"train_grpo.py exited with {result.returncode}")
+
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    step_rows = [r for r in rows if "time/step_s" in r]
+    if not step_rows:
+        raise SystemExit(f"{run_dir}/metrics.jsonl has no finished steps")
+    for r in step_rows:
+        print(json.dumps({"step": r["step"], **{k: r[k] for k in PER_STEP if k in r}}))
+    timed = step_rows[opts.skip :] or step_rows
+    summary = {
+        "bench": "rl_step",
+        "steps": len(step_rows),
+        "median_over_steps": [r["step"] for r in timed],
+        **{f"median_{k.split('/')[1]}": statistics.median(r[k] for r in timed) for k in MEDIANS if all(k in r for r in timed)},
+        "logprob_diff_max": max(r["logprob_diff/max"] for r in step_rows),
+        "logprob_diff_mean": statistics.mean(r["logprob_diff/mean"] for r in step_rows),
+        "body": body,
+        "prompts_per_step": override(extra, "data.prompts_per_step", 64),
+        "group_size": override(extra, "grpo.group_size", 8),
+        "max_new_tokens": override(extra, "generation.max_new_tokens", 256),
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__,
+        "commit": git_commit(),
+        "extra_args": extra,
+    }
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
