@@ -248,10 +248,14 @@ class NativeEngine:
         free = list(range(self.cache.num_slots))
         active: dict[int, int] = {}  # slot -> request index
         checked: dict[int, int] = {}  # slot -> completion tokens already checked for stop strings
+        # Refill in rounds of at least a quarter of the batch (or whatever is still waiting): each
+        # prefill call has a fixed cost, so admitting one request per check would pay it too often.
+        refill = max(1, limit // 4)
         while waiting or active:
             admit: list[int] = []
             tokens = 0
-            while waiting and len(active) + len(admit) < limit:
+            ready = limit - len(active) >= min(refill, len(waiting)) or not active
+            while ready and waiting and len(active) + len(admit) < limit:
                 length = len(requests[waiting[0]].prompt_tokens)
                 if admit and tokens + length > self.prefill_tokens:
                     self._admit(requests, keys, sp, admit, free, active, checked)
