@@ -40,8 +40,19 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
 
 
 def uses_flash(t: torch.Tensor) -> bool:
-    """Whether the flash-attention kernel serves tensors like t (CUDA, half precision)."""
+    """Whether the fast kernels serve tensors like t (CUDA, half precision)."""
     return t.is_cuda and t.dtype in (torch.bfloat16, torch.float16)
+
+
+def check_decode_kernel(n_heads: int, n_kv_heads: int, head_dim: int, device: torch.device, dtype: torch.dtype) -> None:
+    """Refuse, before any work, an attention shape the CUDA decode kernel cannot serve."""
+    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+        return
+    from model.decode_kernel import unsupported
+
+    reason = unsupported(n_heads, n_kv_heads, head_dim)
+    if reason is not None:
+        raise ValueError(f"generator: the CUDA decode kernel does not support {reason}; use model.dtype = \"float32\"")
 
 
 def _flash(q, k, v, cu_q, cu_k, max_q, max_k, causal):

@@ -56,6 +56,15 @@ def _slot_decode_kernel(
              mask=g[:, None] < G)
 
 
+def unsupported(n_heads: int, n_kv_heads: int, head_dim: int) -> str | None:
+    """Why the kernel cannot serve this attention shape, or None when it can."""
+    if n_heads // n_kv_heads > BLOCK_G:
+        return f"{n_heads // n_kv_heads} query heads per KV head (at most {BLOCK_G})"
+    if head_dim & (head_dim - 1):
+        return f"head_dim {head_dim} (a power of two is needed)"
+    return None
+
+
 def slot_decode_triton(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor
 ) -> torch.Tensor:
@@ -63,8 +72,6 @@ def slot_decode_triton(
     positions of slot slots[b]. -> [B, H, D] in q's dtype."""
     B, H, D = q.shape
     Hkv = k_cache.shape[2]
-    if H // Hkv > BLOCK_G or D & (D - 1):
-        raise ValueError(f"decode kernel: needs at most {BLOCK_G} query heads per KV head and a power-of-two head_dim, got {H // Hkv}, {D}")
     q = q.contiguous()
     out = torch.empty_like(q)
     _slot_decode_kernel[(B, Hkv)](

@@ -1,4 +1,4 @@
-"""NativeEngine (grpo/engine.py) against a reference Transformer holding the same weights, run with
+"""NativeEngine (grpo/engine/) against a reference Transformer holding the same weights, run with
 plain full forwards (`model(tokens)`, no KV cache, one sequence at a time)."""
 
 from __future__ import annotations

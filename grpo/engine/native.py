@@ -27,6 +27,7 @@ from grpo.engine.decode import DecodeStep
 from grpo.engine.sampling import request_keys, sample, vocab_hash
 from grpo.engine.types import Completion, GenerationOutOfMemory, GenerationRequest, SamplingParams, WeightUpdate
 from model import ModelArgs, Transformer
+from model.attention import check_decode_kernel
 
 
 class NativeEngine:
@@ -73,6 +74,7 @@ class NativeEngine:
         self.kv_cache_gb, self.kv_cache_fraction = kv_cache_gb, kv_cache_fraction
         self.sync_every, self.prefill_tokens = sync_every, prefill_tokens
         on_cuda = self.device.type == "cuda"
+        check_decode_kernel(args.n_heads, args.n_kv_heads, args.head_dim, self.device, dtype)
         self.use_graphs, self.use_compile = cuda_graphs and on_cuda, compile and on_cuda
         with torch.device("meta"):
             self.model = Transformer(args, dtype=dtype)
