@@ -22,8 +22,18 @@ import torch.distributed as dist
 
 from grpo.checkpoint import CheckpointMismatch, find_resume
 from grpo.config import Config, ConfigError, load_config, write_resolved_config
-from grpo.faults import CollectiveTimeout, GracefulStop, StartupError, check_output_dir, restart_count
-from grpo.loop import DataError, Run, RunAborted, TrainingDiverged, run_loop
+from grpo.faults import (
+    CollectiveTimeout,
+    GracefulStop,
+    PeerLost,
+    StartupError,
+    check_output_dir,
+    is_connection_lost,
+    peer_lost,
+    restart_count,
+)
+from grpo.lock import OutputLock, refusal
+from grpo.loop import DataError, Run, RunAborted, TrainingDiverged, reduce, run_loop
 from grpo.roles import build_roles
 from grpo.scorer import Scorer
 from model import CheckpointError, UnsupportedModelError
@@ -87,29 +97,56 @@ def run(cfg: Config) -> None:
             device,
             timedelta(seconds=cfg.parallelism.collective_timeout_s),
         )
-        # Start-up checks come before any model is built or loaded.
+        # Start-up checks come before any model is built or loaded, and nothing in the output folder
+        # is written before they pass.
         check_output_dir(cfg.job.output_dir, roles.rank)
-        resume = find_resume(cfg.job.output_dir, cfg.checkpoint.resume, announce=roles.rank == roles.leader)
-        if cfg.job.deterministic:
-            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-            torch.use_deterministic_algorithms(True)
-        if roles.rank == roles.leader:
-            write_resolved_config(cfg, Path(cfg.job.output_dir) / "config.toml")
-        scorer = None
-        if roles.is_trainer:
-            r = cfg.rewards
-            scorer = Scorer(r.functions, r.weights, r.timeout_s, r.num_workers, on_error=r.on_error)
+        is_leader = roles.rank == roles.leader
+        lock = take_output_lock(cfg.job.output_dir, is_leader)
         try:
-            with GracefulStop() as stop:
-                run_loop(cfg, Run(cfg, device, roles, scorer, resume), resume, stop)
-            # Leave together: no rank tears its process groups down while the leader still writes
-            # the report and its last lines.
-            dist.barrier()
+            resume = find_resume(cfg.job.output_dir, cfg.checkpoint.resume, announce=is_leader)
+            if cfg.job.deterministic:
+                os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+                torch.use_deterministic_algorithms(True)
+            scorer = None
+            if roles.is_trainer:
+                r = cfg.rewards
+                scorer = Scorer(r.functions, r.weights, r.timeout_s, r.num_workers, on_error=r.on_error)
+            try:
+                with GracefulStop() as stop:
+                    job = Run(cfg, device, roles, scorer, resume)
+                    if is_leader:
+                        write_resolved_config(cfg, Path(cfg.job.output_dir) / "config.toml")
+                    run_loop(cfg, job, resume, stop)
+                # Leave together: no rank tears its process groups down while the leader still writes
+                # the report and its last lines.
+                dist.barrier()
+            finally:
+                if scorer is not None:
+                    scorer.close()
         finally:
-            if scorer is not None:
-                scorer.close()
+            if lock is not None:
+                lock.release()
     finally:
         dist.destroy_process_group()
+
+
+def take_output_lock(output_dir: str, is_leader: bool) -> OutputLock | None:
+    """The leader (first trainer rank) locks job.output_dir; every rank learns whether it could, and
+    each raises the same StartupError naming the holder if not."""
+    lock, refused = (OutputLock(output_dir) if is_leader else None), 0.0
+    if lock is not None:
+        try:
+            warning = lock.acquire()
+        except StartupError:
+            refused = 1.0
+        else:
+            if warning:
+                print(warning, file=sys.stderr, flush=True)
+    if reduce({"refused": refused}, None, dist.ReduceOp.MAX)["refused"]:
+        if lock is not None:
+            lock.release()
+        raise refusal(output_dir)
+    return lock
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -128,11 +165,19 @@ def main(argv: list[str] | None = None) -> int:
         CheckpointMismatch,
         StartupError,
         CollectiveTimeout,
+        PeerLost,
         TrainingDiverged,
     ) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
     except RunAborted:
+        return 1
+    except (RuntimeError, dist.DistError) as error:
+        if not is_connection_lost(error):
+            raise
+        # A collective outside the loop's named waits (start-up, the final barrier) lost its peers.
+        rank = os.environ.get("RANK", "0")
+        print(f"error: {peer_lost(f'rank {rank}', 'the other ranks')}", file=sys.stderr)
         return 1
     return 0
 
