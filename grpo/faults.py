@@ -21,6 +21,27 @@ class CollectiveTimeout(RuntimeError):
     """A collective or transfer waited longer than parallelism.collective_timeout_s."""
 
 
+class PeerLost(RuntimeError):
+    """A collective or transfer lost its connection: another rank of the job died."""
+
+
+# How gloo and NCCL word a peer that went away mid-transfer.
+_CONNECTION_LOST = ("connection closed by peer", "connection reset by peer", "broken pipe", "remote process exited")
+
+
+def is_connection_lost(error: BaseException) -> bool:
+    text = str(error).lower()
+    return any(phrase in text for phrase in _CONNECTION_LOST)
+
+
+def peer_lost(who: str, what: str) -> PeerLost:
+    """The one line for a rank whose peers vanished while it waited for `what`."""
+    return PeerLost(
+        f"{who} lost its connection while waiting for {what}: they stopped answering (a rank of the job died; "
+        "its own error, if it printed one, is above); run the same command to resume from the last checkpoint"
+    )
+
+
 class GracefulStop:
     """Turns SIGTERM / SIGINT into a request to stop at the next step boundary.
 
@@ -68,6 +89,8 @@ def waiting_for(who: str, what: str, timeout_s: float) -> Iterator[None]:
     try:
         yield
     except (RuntimeError, dist.DistError) as error:
+        if is_connection_lost(error):
+            raise peer_lost(who, what) from None
         if not _is_timeout(error):
             raise
         raise CollectiveTimeout(
@@ -79,6 +102,8 @@ def waiting_for(who: str, what: str, timeout_s: float) -> Iterator[None]:
 def check_output_dir(path: str | Path, rank: int) -> None:
     """Raise StartupError unless this rank can create files in `path` (created if missing)."""
     path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise StartupError(f"job.output_dir = {str(path)!r} is a file, not a folder")
     probe = path / f".write-check-rank{rank}"
     try:
         path.mkdir(parents=True, exist_ok=True)
