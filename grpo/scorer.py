@@ -2,13 +2,14 @@
 
 import multiprocessing
 import multiprocessing.pool
-import signal
+import os
 import sys
 import time
 from dataclasses import dataclass, field
 
 import torch
 
+from grpo.pool_worker import start_worker
 from rewards import RewardError, _clip, load_reward, reward_name, score_chunk
 
 ON_ERROR_MODES = ("stop", "zero")
@@ -88,11 +89,8 @@ class Scorer:
     def _new_pool(self) -> multiprocessing.pool.Pool:
         self._pool_ready = False
         # spawn, not fork: forking a process that holds CUDA state or torch threads is unsafe.
-        # Ctrl-C reaches every process of the terminal's foreground group; the parent rank handles it
-        # (finishes the step, saves, closes the pool). SIGTERM stays fatal: it is how the pool stops
-        # a hung worker. signal.signal itself is the initializer, so a worker imports nothing for it.
         return multiprocessing.get_context("spawn").Pool(
-            self.num_workers, initializer=signal.signal, initargs=(signal.SIGINT, signal.SIG_IGN)
+            self.num_workers, initializer=start_worker, initargs=(os.getpid(),)
         )
 
     def score(
