@@ -464,6 +464,8 @@ def validate_config(cfg: Config, world_size: int) -> None:
             "needs, and the built-in tasks use the built-in tokenizer "
             f"(model.path = {m.path!r}, data.path = {cfg.data.path!r})"
         )
+    if m.path and not Path(m.path).exists():
+        raise ConfigError(f"model.path = {m.path!r} does not exist")
     if m.path and not (Path(m.path) / "config.json").is_file():
         raise ConfigError(f"model.path = {m.path!r} has no config.json (expected an HF checkpoint folder)")
     if cfg.data.path and not Path(cfg.data.path).exists():

@@ -172,8 +172,14 @@ def _record(row: Any, where: str, prompt_field: str, answer_field: str) -> dict:
 
 def _read_jsonl(file: Path, prompt_field: str, answer_field: str) -> list[dict]:
     records = []
-    with open(file, encoding="utf-8") as handle:
-        for line_number, line in enumerate(handle, start=1):
+    with open(file, "rb") as handle:
+        for line_number, raw in enumerate(handle, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise ValueError(
+                    f"{file} line {line_number} is not UTF-8 text (byte 0x{raw[error.start]:02x} at column {error.start + 1})"
+                ) from None
             if not line.strip():
                 continue
             where = f"{file}:{line_number}"

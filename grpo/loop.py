@@ -519,7 +519,7 @@ def run_loop(cfg: Config, job: Run, resume: Path | None = None, stop: GracefulSt
             bad_steps = bad_steps + 1 if boundary["skipped"] else 0
             logger.log(step, metrics)
             if boundary["skipped"] and is_leader:
-                print(f"step {step}: update skipped: {job.trainer.last_skip_reason}", file=sys.stderr, flush=True)
+                logger.say(f"step {step}: update skipped: {job.trainer.last_skip_reason}", file=sys.stderr)
             if last_step or _every(cfg.checkpoint.export_hf_every, step):
                 job.export_hf(Path(cfg.job.output_dir) / "hf" / f"step_{step}")
             diverged = bad_steps >= cfg.training.max_bad_steps
@@ -534,10 +534,9 @@ def run_loop(cfg: Config, job: Run, resume: Path | None = None, stop: GracefulSt
                 )
             if signal_number:
                 if is_leader:
-                    print(
+                    logger.say(
                         f"stopped by {GracefulStop.name(signal_number)} after step {step}: checkpoint {saved}; "
-                        "run the same command to resume",
-                        flush=True,
+                        "run the same command to resume"
                     )
                 return
     if is_leader and evals:

@@ -211,6 +211,11 @@ class _Console:
             sys.stdout.flush()
             self.drawn = 0
 
+    def say(self, line: str, file=None) -> None:
+        """Print a line of its own (to stdout, or `file`): the bar's line is ended first."""
+        self.end_line()
+        print(line, file=file or sys.stdout, flush=True)
+
     def _plain(self, step: int, metrics: dict[str, float], eta: float | None) -> str:
         parts = [fmt.format(metrics[key]) for key, fmt in _CONSOLE_KEYS if key in metrics]
         if eta is not None:
@@ -309,6 +314,13 @@ class MetricsLogger:
             self._wandb.log(values, step=step)
         if self._console is not None:
             self._console.show(step, metrics)
+
+    def say(self, line: str, file=None) -> None:
+        """A message line of the run (to stdout, or `file`), never glued onto the progress bar."""
+        if self._console is not None:
+            self._console.say(line, file)
+        else:
+            print(line, file=file or sys.stdout, flush=True)
 
     def log_samples(self, step: int, samples: list[dict[str, Any]]) -> None:
         """Record example episodes, each {"prompt", "completion", "reward", "advantage", "finish"}."""

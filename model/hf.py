@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from model.args import ModelArgs
@@ -94,23 +94,12 @@ def from_hf(
     expected = model.state_dict()
     loaded: set[str] = set()
     for file in files:
-        with safe_open(str(file), framework="pt", device=str(device)) as shard:
-            for hf_key in shard.keys():
-                native_key = hf_to_native_key(hf_key)
-                if native_key == "output.weight" and args.tie_embeddings:
-                    continue  # some tied checkpoints also store the head; the embedding is authoritative
-                if native_key is None or native_key not in expected:
-                    raise CheckpointError(f"unexpected tensor {hf_key!r} in {file.name} for a {args.arch} model")
-                target = expected[native_key]
-                tensor = shard.get_slice(hf_key)
-                if list(tensor.get_shape()) != list(target.shape):
-                    raise CheckpointError(
-                        f"tensor {hf_key!r} in {file.name} has shape {list(tensor.get_shape())}, "
-                        f"the model expects {list(target.shape)}"
-                    )
-                with torch.no_grad():
-                    target.copy_(shard.get_tensor(hf_key))
-                loaded.add(native_key)
+        try:
+            _load_file(file, args, expected, loaded, device)
+        except SafetensorError as error:
+            raise CheckpointError(
+                f"{file} is not a readable safetensors file ({error}); it may be truncated: copy it again"
+            ) from None
     missing = sorted(set(expected) - loaded)
     if missing:
         raise CheckpointError(
@@ -118,6 +107,27 @@ def from_hf(
             + (f" and {len(missing) - 1} more tensors" if len(missing) > 1 else "")
         )
     return model
+
+
+def _load_file(file: Path, args: ModelArgs, expected: dict[str, torch.Tensor], loaded: set[str], device) -> None:
+    """Copy one safetensors file's tensors into `expected` (the model's state dict), recording their names."""
+    with safe_open(str(file), framework="pt", device=str(device)) as shard:
+        for hf_key in shard.keys():
+            native_key = hf_to_native_key(hf_key)
+            if native_key == "output.weight" and args.tie_embeddings:
+                continue  # some tied checkpoints also store the head; the embedding is authoritative
+            if native_key is None or native_key not in expected:
+                raise CheckpointError(f"unexpected tensor {hf_key!r} in {file.name} for a {args.arch} model")
+            target = expected[native_key]
+            tensor = shard.get_slice(hf_key)
+            if list(tensor.get_shape()) != list(target.shape):
+                raise CheckpointError(
+                    f"tensor {hf_key!r} in {file.name} has shape {list(tensor.get_shape())}, "
+                    f"the model expects {list(target.shape)}"
+                )
+            with torch.no_grad():
+                target.copy_(shard.get_tensor(hf_key))
+            loaded.add(native_key)
 
 
 def to_hf(model: Transformer, path: str | Path, max_shard_bytes: int = 5 * 2**30) -> None:
