@@ -307,7 +307,7 @@ def test_completion_budget_must_hold_the_answer():
 
 def test_gsm8k_recipe_validates_once_its_paths_are_filled(tmp_path):
     recipe = str(Path(__file__).resolve().parents[1] / "configs" / "qwen3_0.6b_gsm8k.toml")
-    assert "model.path = '/path/to/Qwen3-0.6B' has no config.json" in error("--config", recipe, world_size=8)
+    assert "model.path = '/path/to/Qwen3-0.6B' does not exist" in error("--config", recipe, world_size=8)
     (tmp_path / "config.json").write_text("{}")
     data = tmp_path / "train.jsonl"
     data.write_text("")
