@@ -88,6 +88,8 @@ _NUMBER = re.compile(
     re.VERBOSE,
 )
 _LATEX_FRAC = re.compile(r"(-?)\\[dt]?frac\{(-?\d+)\}\{(\d+)\}")
+# "the answer is 7", "Answer: 7", "an answer of 7", "final answer = 7" (any case); the number follows it
+_ANSWER_PHRASE = re.compile(r"\banswers?\s*(?:is|was|of|=|:)\s*", re.IGNORECASE)
 _THOUSANDS = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
 # "<number> <plain words>", e.g. "72 dollars": the words are taken to be units and dropped.
 # Words need two or more letters so that "3 x" (a product) is left alone.
@@ -133,6 +135,16 @@ def _last_number(text: str) -> str | None:
     return last.group(0) if last else None
 
 
+def _stated_answer(text: str) -> str | None:
+    """The first number after the last explicit "answer is / answer: / answer =" phrase, so that
+    "The answer is 7 apples, not 8." reads 7."""
+    phrases = list(_ANSWER_PHRASE.finditer(text))
+    if not phrases:
+        return None
+    number = _NUMBER.search(text, phrases[-1].end())
+    return number.group(0) if number else None
+
+
 def _clean(answer: str) -> str:
     """Strip whitespace, a trailing period and trailing unit words ("72 dollars" -> "72")."""
     answer = answer.strip()
@@ -148,7 +160,9 @@ def extract_answer(text: str, *, reference: bool = False) -> str | None:
             return candidate
     if reference:
         return _clean(text) or None
-    number = _last_number(text)
+    number = _stated_answer(text)
+    if number is None:
+        number = _last_number(text)
     return _clean(number) if number is not None else None
 
 
@@ -220,7 +234,9 @@ def math_accuracy(prompt: str, completion: str, answer: str, metadata: dict) -> 
     1. the contents of the last complete ``\\boxed{...}`` (balanced braces, so nested braces such
        as ``\\boxed{\\frac{1}{2}}`` work; an unbalanced, truncated one is skipped);
     2. the GSM8K form: the rest of the line after the last ``####``;
-    3. the last number in the text: integers, decimals, negatives (``-5``, but not the binary
+    3. the first number after the last explicit "answer is" / "answer of" / "answer:" / "answer =" phrase
+       ("The answer is 7 apples, not 8." reads 7);
+    4. the last number in the text: integers, decimals, negatives (``-5``, but not the binary
        minus in ``5-3``), thousands separators (``1,234``), simple fractions (``3/4``) and
        ``\\frac{a}{b}``.
 

@@ -68,6 +68,12 @@ MATH_CASES = [
     ("3 + 4 = 7, times 2 is 14", "14", 1.0),
     ("so the answer is 18.", "19", 0.0),
     ("The answer is 3.0", "3", 1.0),
+    # an explicit "answer is ..." beats a later number
+    ("The answer is 7 apples, not 8.", "7", 1.0),
+    ("The answer is 7 apples, not 8.", "8", 0.0),
+    ("Answer: 12. Check: 3 * 4 = 12, plus 5 is 17", "12", 1.0),
+    ("I first thought the answer was 9, but 2 - 5 gives a final answer of -3", "-3", 1.0),
+    ("The final answer is -3, since 2 - 5 = -3 and 4 more", "-3", 1.0),
     # wrong, empty, nothing to extract
     (r"\boxed{73}", "72", 0.0),
     ("", "72", 0.0),
@@ -94,6 +100,7 @@ def test_math_accuracy_table_is_broad():
         (r"\boxed {5}", "5"),
         ("a\n#### 1,234\nb", "1,234"),
         ("so the answer is 18.", "18"),
+        ("The answer is 7 apples, not 8.", "7"),
         ("5-3=2", "2"),
         ("x = -5", "-5"),
         ("1/2.", "1/2"),
