@@ -51,14 +51,15 @@ def snapshot(run_dir: Path) -> dict[str, bytes]:
 
 def test_a_second_run_in_the_same_folder_is_refused_and_changes_nothing(tmp_path):
     run_dir = tmp_path / "run"
-    args = [*FAST, "--training.steps=100000", "--checkpoint.every=2", f"--job.output_dir={run_dir}"]
+    args = [*FAST, "--training.steps=100000", "--checkpoint.every=2", "--checkpoint.keep=0", f"--job.output_dir={run_dir}"]
     first = start(args, nproc=2)
     try:
         wait_for_step(run_dir, 3, first)
         holder = worker_pids(first.pid)[1]  # the first trainer rank holds the lock
-        second = launch(args, nproc=2, timeout=120)
-        before = {k: v for k, v in snapshot(run_dir).items() if k.startswith(("checkpoints/step_2", "config.toml"))}
+        before = {k: v for k, v in snapshot(run_dir).items() if k.startswith(("checkpoints/step_2/", "config.toml"))}
+        assert "config.toml" in before and any(k.startswith("checkpoints/step_2/") for k in before)
         rows_before = (run_dir / "metrics.jsonl").read_text().splitlines()[:4]
+        second = launch(args, nproc=2, timeout=120)
         assert second.returncode == 1, second.stderr[-2000:]
         assert f"is in use by another run (pid {holder} on host" in second.stderr
         assert "stop that run or give this one another job.output_dir" in second.stderr
