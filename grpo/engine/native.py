@@ -1,9 +1,9 @@
 """The native generation engine: a slotted KV cache, each prompt prefilled once for its whole
 group, decode steps captured in CUDA graphs, and continuous batching.
 
-A request takes a cache slot when one is free (longest token budget first); its prompt is prefilled (once for every request
-with the same prompt admitted together: their slots receive the same prompt K/V) and its first
-token sampled; then it joins the decode batch. Decode steps run on the device without the host
+A request takes a cache slot when one is free (longest token budget first); its prompt is
+prefilled (once for every request with the same prompt admitted together: their slots receive the
+same prompt K/V) and its first token sampled; then it joins the decode batch. Decode steps run on the device without the host
 reading anything; every `sync_every` steps the host collects finished sequences (EOS, budget,
 stop strings), gives their slots to waiting requests, and goes on.
 
@@ -39,9 +39,10 @@ class NativeEngine:
     release the queue; `close()`.
 
     max_seq_len: a slot's capacity (prompt + completion), allocated once; None = sized at each poll
-        to the longest request seen so far (the cache is reallocated when a longer one comes). kv_cache_gb: the K/V budget (0 = room for max_batch_size
-        slots, on CUDA at most kv_cache_fraction of the free device memory). cuda_graphs / compile:
-        CUDA only (CPU always runs eagerly).
+        to the longest request seen so far (the cache is reallocated when a longer one comes).
+    kv_cache_gb: the K/V budget (0 = room for max_batch_size slots, on CUDA at most
+        kv_cache_fraction of the free device memory).
+    cuda_graphs / compile: CUDA only (CPU always runs eagerly).
     """
 
     def __init__(
