@@ -88,7 +88,8 @@ def init_distributed(cfg: Config) -> torch.device:
     return device
 
 
-def run(cfg: Config) -> None:
+def run(cfg: Config, stop: GracefulStop) -> None:
+    """One rank's job; `stop` records a SIGTERM / SIGINT for the loop to act on at a step boundary."""
     device = init_distributed(cfg)
     try:
         roles = build_roles(
@@ -112,11 +113,10 @@ def run(cfg: Config) -> None:
                 r = cfg.rewards
                 scorer = Scorer(r.functions, r.weights, r.timeout_s, r.num_workers, on_error=r.on_error)
             try:
-                with GracefulStop() as stop:
-                    job = Run(cfg, device, roles, scorer, resume)
-                    if is_leader:
-                        write_resolved_config(cfg, Path(cfg.job.output_dir) / "config.toml")
-                    run_loop(cfg, job, resume, stop)
+                job = Run(cfg, device, roles, scorer, resume)
+                if is_leader:
+                    write_resolved_config(cfg, Path(cfg.job.output_dir) / "config.toml")
+                run_loop(cfg, job, resume, stop)
                 # Leave together: no rank tears its process groups down while the leader still writes
                 # the report and its last lines.
                 dist.barrier()
@@ -143,8 +143,6 @@ def take_output_lock(output_dir: str, is_leader: bool) -> OutputLock | None:
             if warning:
                 print(warning, file=sys.stderr, flush=True)
     if reduce({"refused": refused}, None, dist.ReduceOp.MAX)["refused"]:
-        if lock is not None:
-            lock.release()
         raise refusal(output_dir)
     return lock
 
@@ -155,30 +153,33 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:
         print(f"config error: {error}", file=sys.stderr)
         return 2
-    try:
-        run(cfg)
-    except (
-        RewardError,
-        DataError,
-        CheckpointError,
-        UnsupportedModelError,
-        CheckpointMismatch,
-        StartupError,
-        CollectiveTimeout,
-        PeerLost,
-        TrainingDiverged,
-    ) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
-    except RunAborted:
-        return 1
-    except (RuntimeError, dist.DistError) as error:
-        if not is_connection_lost(error):
-            raise
-        # A collective outside the loop's named waits (start-up, the final barrier) lost its peers.
-        rank = os.environ.get("RANK", "0")
-        print(f"error: {peer_lost(f'rank {rank}', 'the other ranks')}", file=sys.stderr)
-        return 1
+    # Signals stay deferred until this rank has said why it stops: when a rank dies, torchrun sends
+    # SIGTERM to the others, which must not cut their teardown and error line short.
+    with GracefulStop() as stop:
+        try:
+            run(cfg, stop)
+        except (
+            RewardError,
+            DataError,
+            CheckpointError,
+            UnsupportedModelError,
+            CheckpointMismatch,
+            StartupError,
+            CollectiveTimeout,
+            PeerLost,
+            TrainingDiverged,
+        ) as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 1
+        except RunAborted:
+            return 1
+        except (RuntimeError, dist.DistError) as error:
+            if not is_connection_lost(error):
+                raise
+            # A collective outside the loop's named waits (start-up, the final barrier) lost its peers.
+            rank = os.environ.get("RANK", "0")
+            print(f"error: {peer_lost(f'rank {rank}', 'the other ranks')}", file=sys.stderr)
+            return 1
     return 0
 
 
