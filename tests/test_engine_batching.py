@@ -129,3 +129,27 @@ def test_per_request_budgets_end_each_completion_at_its_own(ref):
     for c, f, r in zip(out, full, reqs):
         assert len(c.tokens) == r.max_new_tokens and c.finish_reason == "length"
         assert c.tokens == f.tokens[: r.max_new_tokens]
+
+
+def test_the_host_looks_when_budgets_say_so(ref):
+    """Budgets are known on the host: decoding stops at the step the last budget ends (not at the
+    next multiple of sync_every), and a waiting request's slot is refilled as soon as budgets free
+    a whole admission round."""
+    sampling = SamplingParams(max_new_tokens=16, temperature=1.0)
+    engine = make_engine(ref, sampling, seed=5, eos_ids=(), max_batch_size=2, sync_every=8)
+    runs: list[tuple[int, int]] = []
+    run = engine._decode_steps
+
+    def counting(slots, sp, steps):
+        runs.append((len(slots), steps))
+        run(slots, sp, steps)
+
+    engine._decode_steps = counting
+    # Longest first: 11 and 6 start together (2 slots); the two 3s wait for a slot each.
+    budgets = [3, 11, 6, 3]
+    reqs = [GenerationRequest(p, 0, i, 0, max_new_tokens=n) for i, (p, n) in enumerate(zip(prompts(4, seed=6), budgets))]
+    out = engine.generate(reqs)
+    assert [len(c.tokens) for c in out] == budgets
+    # 6 ends after 5 decode steps (its first token is the prefill's) and a 3 takes its slot; that 3
+    # ends 2 steps later and the other 3 takes it; then nothing waits, and 11 has 3 steps left.
+    assert runs == [(2, 5), (2, 2), (2, 3)]

@@ -3,9 +3,10 @@ group, decode steps captured in CUDA graphs, and continuous batching.
 
 A request takes a cache slot when one is free (longest token budget first); its prompt is
 prefilled (once for every request with the same prompt admitted together: their slots receive the
-same prompt K/V) and its first token sampled; then it joins the decode batch. Decode steps run on the device without the host
-reading anything; every `sync_every` steps the host collects finished sequences (EOS, budget,
-stop strings), gives their slots to waiting requests, and goes on.
+same prompt K/V) and its first token sampled; then it joins the decode batch. Decode steps run on
+the device without the host reading anything; every `sync_every` steps, or sooner when the token
+budgets say a refill round (or the end) is nearer, the host collects finished sequences (EOS,
+budget, stop strings), gives their slots to waiting requests, and goes on.
 
 A completion depends only on its key (seed, step, prompt index, sample index) and the weights,
 never on which other requests share its batch (see sampling.py). Out of memory: the engine halves
@@ -251,6 +252,8 @@ class NativeEngine:
         free = list(range(self.cache.num_slots))
         active: dict[int, int] = {}  # slot -> request index
         checked: dict[int, int] = {}  # slot -> completion tokens already checked for stop strings
+        # slot -> decode steps until its budget ends (EOS or a stop string may end it sooner)
+        remaining: dict[int, int] = {}
         # Refill in rounds of at least a quarter of the batch (or whatever is still waiting): each
         # prefill call has a fixed cost, so admitting one request per check would pay it too often.
         refill = max(1, limit // 4)
@@ -267,13 +270,32 @@ class NativeEngine:
                 tokens += length
             if admit:
                 self._admit(requests, keys, sp, admit, free, active, checked)
+            for slot, i in active.items():
+                # The first token comes from the prefill.
+                remaining.setdefault(slot, self._budget(requests[i], sp) - 1)
             self.peak_active = max(self.peak_active, len(active))
             self._in_flight = len(active)
-            self._decode_steps(sorted(active), sp, self.sync_every)
+            steps = self._steps_to_check(remaining, limit - len(active), min(refill, len(waiting)))
+            self._decode_steps(sorted(active), sp, steps)
+            for slot in active:
+                remaining[slot] = max(0, remaining[slot] - steps)
             for slot, result in self._collect(requests, sp, active, checked).items():
                 results[active.pop(slot)] = result
+                del remaining[slot]
                 free.append(slot)
             free.sort()
+
+    def _steps_to_check(self, remaining: dict[int, int], free: int, round_size: int) -> int:
+        """Decode steps before the host next looks: at most sync_every, and no more than it takes
+        for budgets alone to free the slots of the next admission round (round_size requests wait,
+        free slots are free already) or, with nothing waiting, to finish every active sequence.
+        Stepping past either point would only run finished rows."""
+        ends = sorted(remaining.values())
+        if not ends:
+            return self.sync_every
+        needed = round_size - free
+        until = ends[needed - 1] if 0 < needed <= len(ends) else ends[-1]
+        return max(1, min(self.sync_every, until))
 
     def _admit(self, requests, keys, sp, admit: list[int], free: list[int], active: dict, checked: dict) -> None:
         slots = [free.pop(0) for _ in admit]
