@@ -1,52 +1,114 @@
 """The attention kernels behind the model's two paths, chosen per device and dtype.
 
-- `packed_attention`: training and scoring over rows holding several sequences (document mask).
+- `packed_attention`: training and scoring over sequences packed back to back (`SequenceLayout`),
+  causal within each sequence, with no mask tensor: memory and work grow with the sum of the
+  squared sequence lengths, not with the square of the packed width.
 - `varlen_prefill`: causal attention over prompts packed into one token axis, each prompt alone.
 - `slot_decode`: one query per sequence against its KV-cache slot, reading only the slot's live
   keys (the first `lengths[b]` positions).
 
-On CUDA in bf16/fp16, prefill runs PyTorch's flash-attention kernel in its variable-length form
-(`cu_seqlens`, no mask) and decode runs our Triton kernel (decode_kernel.py), which reads exactly
-the live keys once per KV head. Elsewhere (CPU, fp32) both run `scaled_dot_product_attention` with
-an explicit mask: the reference path the tests use.
+On CUDA in bf16/fp16, training and prefill run PyTorch's flash-attention kernel in its
+variable-length form (`torch.nn.attention.varlen`, `cu_seqlens`, forward and backward) and decode
+runs our Triton kernel (decode_kernel.py), which reads exactly the live keys once per KV head.
+Elsewhere (CPU, fp32) every sequence runs its own `scaled_dot_product_attention` call: the
+reference path the tests use.
 """
 
 from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 
-def document_mask(doc_ids: torch.Tensor | None) -> torch.Tensor | None:
-    """bool [B, 1, T, T]: causal attention within equal doc_ids [B, T]; None (plain causal) for None."""
+@dataclass
+class SequenceLayout:
+    """Sequences laid back to back on a flat token axis: sequence s spans bounds[s]:bounds[s + 1].
+
+    cu_seqlens: the bounds as an int32 tensor [S + 1] on the tokens' device (for the flash kernel);
+    bounds: the same on the host (for the per-sequence CPU path); max_len: the longest sequence.
+    """
+
+    cu_seqlens: torch.Tensor
+    bounds: list[int]
+    max_len: int
+
+
+def sequence_layout(doc_ids: torch.Tensor | None, shape: tuple[int, int], device: torch.device) -> SequenceLayout:
+    """The layout of rows [B, T] flattened row after row: each maximal run of equal doc_ids [B, T]
+    within a row is one sequence (padding runs included: they attend among themselves and carry no
+    loss). doc_ids None: one sequence per row. Reads doc_ids on the host once."""
+    B, T = shape
     if doc_ids is None:
-        return None
-    T = doc_ids.shape[1]
-    causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()
-    return ((doc_ids[:, :, None] == doc_ids[:, None, :]) & causal)[:, None]
+        bounds = list(range(0, B * T + 1, T))
+    else:
+        flat = doc_ids.reshape(-1)
+        starts = torch.ones(B * T, dtype=torch.bool, device=flat.device)
+        starts[1:] = flat[1:] != flat[:-1]
+        starts[::T] = True  # a row always starts a sequence
+        bounds = starts.nonzero().flatten().tolist() + [B * T]
+    max_len = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
+    cu_seqlens = torch.tensor(bounds, dtype=torch.int32, device=device)
+    return SequenceLayout(cu_seqlens, bounds, max_len)
 
 
-def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """q [B, T, H, D], k/v [B, T, Hkv, D] -> [B, T, H, D]; mask from `document_mask` (None: causal)."""
+def fast_kernels_serve(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the CUDA kernels (flash attention, our decode kernel) serve this device and dtype."""
+    return device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+
+
+def uses_flash(t: torch.Tensor) -> bool:
+    """Whether the fast kernels serve tensors like t."""
+    return fast_kernels_serve(t.device, t.dtype)
+
+
+def _varlen_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SequenceLayout) -> torch.Tensor:
+    """Flash varlen attention with autograd: q [N, H, D], k/v [N, Hkv, D] -> [N, H, D]."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    params = inspect.signature(varlen_attn).parameters
+    # torch 2.10 spells causal `is_causal`; later releases take a (left, right) window.
+    causal = dict(window_size=(-1, 0)) if "window_size" in params else dict(is_causal=True)
+    if "enable_gqa" in params:
+        extra = dict(enable_gqa=q.shape[1] != k.shape[1])
+    elif q.shape[1] != k.shape[1]:
+        # Older releases of the API take only equal head counts.
+        group = q.shape[1] // k.shape[1]
+        k, v, extra = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1), {}
+    else:
+        extra = {}
+    cu, n = layout.cu_seqlens, layout.max_len
+    return varlen_attn(q, k, v, cu, cu, n, n, **causal, **extra)
+
+
+def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SequenceLayout) -> torch.Tensor:
+    """q [B, T, H, D], k/v [B, T, Hkv, D] -> [B, T, H, D]: causal attention within each sequence
+    of `layout` (over the B * T tokens flattened row after row)."""
+    B, T, H, D = q.shape
+    if not uses_flash(q) and len(layout.bounds) == B + 1 and layout.max_len == T:
+        return _causal(q, k, v)  # one sequence per row: one batched call
+    q, k, v = q.reshape(B * T, H, D), k.reshape(B * T, -1, D), v.reshape(B * T, -1, D)
+    if uses_flash(q):
+        out = _varlen_causal(q, k, v, layout)
+    else:
+        pairs = zip(layout.bounds[:-1], layout.bounds[1:])
+        out = torch.cat([_causal(q[None, a:b], k[None, a:b], v[None, a:b])[0] for a, b in pairs])
+    return out.view(B, T, H, D)
+
+
+def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Rows of one sequence each: q [B, L, H, D], k/v [B, L, Hkv, D] -> [B, L, H, D], causal SDPA."""
     out = F.scaled_dot_product_attention(
-        q.transpose(1, 2),
-        k.transpose(1, 2),
-        v.transpose(1, 2),
-        attn_mask=mask,
-        is_causal=mask is None,
-        enable_gqa=q.shape[2] != k.shape[2],
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=q.shape[2] != k.shape[2]
     )
     return out.transpose(1, 2)
 
 
-def uses_flash(t: torch.Tensor) -> bool:
-    """Whether the fast kernels serve tensors like t (CUDA, half precision)."""
-    return t.is_cuda and t.dtype in (torch.bfloat16, torch.float16)
-
-
 def check_decode_kernel(n_heads: int, n_kv_heads: int, head_dim: int, device: torch.device, dtype: torch.dtype) -> None:
     """Refuse, before any work, an attention shape the CUDA decode kernel cannot serve."""
-    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+    if not fast_kernels_serve(device, dtype):
         return
     from model.decode_kernel import unsupported
 
@@ -69,10 +131,8 @@ def varlen_prefill(
     """
     if uses_flash(q):
         return _flash(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, True)
-    N = q.shape[0]
-    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-    doc = torch.repeat_interleave(torch.arange(len(lengths), device=q.device), lengths.long(), output_size=N)
-    return packed_attention(q[None], k[None], v[None], document_mask(doc[None]))[0]
+    bounds = cu_seqlens.tolist()
+    return torch.cat([_causal(q[None, a:b], k[None, a:b], v[None, a:b])[0] for a, b in zip(bounds[:-1], bounds[1:])])
 
 
 def slot_decode(

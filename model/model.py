@@ -23,7 +23,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from model.args import ModelArgs
-from model.attention import document_mask, packed_attention
+from model.attention import SequenceLayout, packed_attention, sequence_layout
 
 # Tokens per chunk of the log-prob head: bounds the fp32 [chunk, V] logits held at once.
 LOGPROB_CHUNK_TOKENS = 1024
@@ -116,11 +116,6 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        """x [B, T, dim] -> [B, T, dim]; mask bool [B, 1, T, T] (None: plain causal)."""
-        B, T, _ = x.shape
-        out = packed_attention(*self.qkv(x, cos, sin), mask)
-        return self.wo(out.reshape(B, T, -1))
 
 
 class FeedForward(nn.Module):
@@ -175,12 +170,13 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps, dtype, device)
         self.feed_forward = FeedForward(args, dtype, device)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin, mask)
-        return x + self.feed_forward(self.ffn_norm(x))
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: SequenceLayout) -> torch.Tensor:
+        """x [B, T, dim] -> [B, T, dim]: attention within each sequence of `layout`."""
+        return self.after_attention(x, packed_attention(*self.attention_inputs(x, cos, sin), layout))
 
-    # The decode path splits the block around its attention so that the caller's cache-aware kernel
-    # sits between the two halves (each half is what the engine compiles).
+    # Both paths split the block around its attention: the decode path puts the caller's
+    # cache-aware kernel between the two halves, and each half is what gets compiled (the
+    # attention kernels take host-side lengths that a compiled graph would specialise on).
     def attention_inputs(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x [B, T, dim] -> q, k, v of this block's attention (see Attention.qkv)."""
         return self.attention.qkv(self.attention_norm(x), cos, sin)
@@ -212,6 +208,8 @@ class Transformer(nn.Module):
         self.output = None if args.tie_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False, dtype=dtype, device=device)
         # Derived from args, not state: kept off the state dict and rebuilt wherever the model lives.
         self._inv_freq = rope_inv_freq(args)
+        # The log-prob head's per-chunk function (model/parallelize.py may swap in a compiled one).
+        self.logprob_chunk: Callable = chunk_logprobs
 
     def fuse_projections(self) -> None:
         """Inference layout: one matmul for each block's q/k/v and one for its SwiGLU gate and up
@@ -263,13 +261,13 @@ class Transformer(nn.Module):
             positions = torch.arange(T, device=tokens.device).expand(B, T)
         h = self.tok_embeddings(tokens)
         cos, sin = rope_tables(self._inv_freq, positions, h.dtype)
-        mask = document_mask(doc_ids)
+        layout = sequence_layout(doc_ids, (B, T), tokens.device)
         for layer in self.layers:
-            h = layer(h, cos, sin, mask)
+            h = layer(h, cos, sin, layout)
         h = self.norm(h)
         if targets is None:
             return F.linear(h, self.output_weight)
-        return chunked_target_logprobs(h, self.output_weight, targets, temperature)
+        return chunked_target_logprobs(h, self.output_weight, targets, temperature, self.logprob_chunk)
 
     def decode(
         self,
@@ -293,7 +291,8 @@ class Transformer(nn.Module):
         return F.linear(self.norm(h), self.output_weight)
 
 
-def _chunk_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float):
+def chunk_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float):
+    """hidden [N, dim], weight [V, dim], targets [N] -> target log-probs and entropies [N], fp32."""
     logits = F.linear(hidden, weight).float() / temperature
     log_z = torch.logsumexp(logits, dim=-1)
     target_logprobs = logits.gather(-1, targets[..., None]).squeeze(-1) - log_z
@@ -302,12 +301,17 @@ def _chunk_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
 
 
 def chunked_target_logprobs(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float = 1.0,
+    chunk_fn: Callable = chunk_logprobs,
 ) -> TokenLogprobs:
     """log softmax(hidden @ weight.T / temperature)[targets] and entropy, [B, T] fp32.
 
     Each chunk of LOGPROB_CHUNK_TOKENS tokens is recomputed in backward (activation checkpointing),
-    so at most one chunk's fp32 [chunk, V] logits exists at a time in either pass.
+    so at most one chunk's fp32 [chunk, V] logits exists at a time in either pass. chunk_fn computes
+    one chunk: `chunk_logprobs`, or a compiled copy of it that fuses the passes over the logits.
     """
     B, T, D = hidden.shape
     flat_hidden, flat_targets = hidden.reshape(B * T, D), targets.reshape(B * T)
@@ -316,10 +320,10 @@ def chunked_target_logprobs(
         end = start + LOGPROB_CHUNK_TOKENS
         if torch.is_grad_enabled() and hidden.requires_grad:
             lp, ent = checkpoint(
-                _chunk_logprobs, flat_hidden[start:end], weight, flat_targets[start:end], temperature, use_reentrant=False
+                chunk_fn, flat_hidden[start:end], weight, flat_targets[start:end], temperature, use_reentrant=False
             )
         else:
-            lp, ent = _chunk_logprobs(flat_hidden[start:end], weight, flat_targets[start:end], temperature)
+            lp, ent = chunk_fn(flat_hidden[start:end], weight, flat_targets[start:end], temperature)
         logprobs.append(lp)
         entropies.append(ent)
     # Cloned out of the view so that FSDP's pre-backward hook sits on a tensor no in-place op can bypass.

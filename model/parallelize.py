@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
 
-from model.model import Transformer
+from model.model import Transformer, chunk_logprobs
 
 
 def parallelize(
@@ -33,13 +33,29 @@ def parallelize(
         if param.dtype != torch.float32:
             raise ValueError(f"parallelize expects fp32 master weights, got {param.dtype}")
     mp_policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    if compile:
+        compile_blocks(model)
     for block in model.layers:
-        # Both are applied in place rather than through wrapper modules, so parameter names stay
-        # those of the plain model (weight sync and HF export match tensors by name).
+        # Applied in place rather than through wrapper modules, so parameter names stay those of
+        # the plain model (weight sync and HF export match tensors by name).
         if activation_checkpointing:
             block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
-        if compile:
-            block.compile(fullgraph=True)
         fully_shard(block, mesh=mesh, mp_policy=mp_policy)
     fully_shard(model, mesh=mesh, mp_policy=mp_policy)
     return model
+
+
+def compile_blocks(model: Transformer) -> None:
+    """torch.compile each block's two halves around its attention (norms, projections, RoPE,
+    SwiGLU and the residuals fuse into few kernels) and the log-prob head's chunk function (one
+    pass over each chunk's logits instead of several). Attention itself stays eager: its kernels
+    take per-batch sequence lengths that a compiled graph would specialise on. Shapes are dynamic,
+    so micro-batches of any token count share one graph per half."""
+    import torch._dynamo.config as dynamo_config
+
+    # Every block shares one code object per half; leave room for the guards of each block.
+    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 8 * len(model.layers))
+    for block in model.layers:
+        block.attention_inputs = torch.compile(block.attention_inputs, dynamic=True)
+        block.after_attention = torch.compile(block.after_attention, dynamic=True)
+    model.logprob_chunk = torch.compile(chunk_logprobs, dynamic=True)
