@@ -242,7 +242,11 @@ def policy_loss(
         weight, over_cap = torch.ones_like(log_ratio), torch.zeros_like(valid)
     per_token = weight * surrogate.loss
 
-    kl = kl_penalty(logprobs, ref_logprobs, s.kl_estimator) if ref_logprobs is not None else None
+    kl = None
+    if ref_logprobs is not None:
+        # On loss tokens only: at a prompt or padding position log π_ref - log π_θ can exceed ~88,
+        # where exp overflows fp32 and the masked-out inf still turns the gradient into NaN (0 · inf).
+        kl = kl_penalty(torch.where(valid, logprobs, 0.0), torch.where(valid, ref_logprobs, 0.0), s.kl_estimator)
     if s.kl_coef > 0:
         per_token = per_token + s.kl_coef * kl
     if s.entropy_coef > 0:

@@ -312,6 +312,24 @@ def test_kl_estimators_by_hand():
         assert t["logprobs"].grad[0, 1:].tolist() == pytest.approx([0.2 * grad / 2] * 2, rel=1e-12)
 
 
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+def test_kl_at_a_masked_position_with_a_huge_gap_keeps_the_gradient_finite(estimator: str):
+    """fp32, as training runs: at the prompt position log π_ref - log π_θ = 100, where exp overflows.
+    The penalty covers loss tokens only, so the gradient stays the hand value of the two loss tokens."""
+    t = _one_sequence([1.0, 1.0], 0.0)
+    t = {k: v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in t.items()}
+    t["logprobs"] = t["logprobs"].detach().requires_grad_(True)
+    ref = t["logprobs"].detach() + 0.5
+    ref[0, 0] = t["logprobs"][0, 0].detach() + 100.0  # a prompt position: mask 0
+    t["ref"] = ref
+    out = _call(t, LossSettings(kl_coef=0.2, kl_estimator=estimator), Normalizers(2.0, 1.0, 1, 1))
+    out.loss.backward()
+    grad = t["logprobs"].grad
+    assert torch.isfinite(out.loss) and torch.isfinite(grad).all()
+    per_token = {"k1": 1.0, "k2": -0.5, "k3": 1 - math.exp(0.5)}[estimator]
+    assert grad[0].tolist() == pytest.approx([0.0] + [0.2 * per_token / 2] * 2, rel=1e-5)
+
+
 # ------------------------------------------------------------------------------------ stats
 
 
