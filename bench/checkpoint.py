@@ -40,7 +40,7 @@ def build_trainer(args: ModelArgs, device: torch.device, seed: int) -> Trainer:
     model.init_weights()
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     return Trainer(model, mesh, device, torch.bfloat16 if device.type == "cuda" else torch.float32, GRPOConfig(),
-                   OptimizerConfig(), total_steps=10, micro_batch_size=8, temperature=1.0, max_new_tokens=8)
+                   OptimizerConfig(), total_steps=10, micro_batch_tokens=4096, temperature=1.0, max_new_tokens=8)
 
 
 def take_a_step(trainer: Trainer) -> None:

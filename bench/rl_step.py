@@ -120,8 +120,6 @@ def main() -> None:
     args = [f"--{key}={value}" for key, value in defaults.items()] + [
         f"--model.path={ckpt}", f"--data.path={data}", f"--data.system_prompt={SYSTEM}", "--data.enable_thinking=off",
         '--rewards.functions=["math_accuracy"]', "--rewards.weights=[1.0]", "--optimizer.lr=1e-6",
-        # The default 512 episodes per forward would not fit the 0.6B body's activations on one GPU.
-        "--training.micro_batch_size=64",
         # eval can only be made rare: it runs at step 0 and after the last step, outside time/step_s.
         "--eval.every=0", "--checkpoint.every=0", "--checkpoint.resume=none", "--metrics.samples_every=0",
         "--metrics.progress_bar=false", f"--job.output_dir={run_dir}",

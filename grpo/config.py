@@ -209,8 +209,8 @@ class OptimizerConfig:
 class TrainingConfig:
     # RL steps: one batch of data.prompts_per_step x grpo.group_size episodes, used for grpo.num_iterations passes, then synced
     steps: int = 150
-    # episodes per forward/backward on each trainer rank
-    micro_batch_size: int = 512
+    # tokens (prompt + completion) per forward/backward on each trainer rank, episodes packed back to back; at least the longest episode (data.max_prompt_tokens + generation.max_new_tokens)
+    micro_batch_tokens: int = 16384
     # consecutive steps with a skipped update (non-finite loss or gradient norm) before the run stops, saving its state
     max_bad_steps: int = 3
 
@@ -575,7 +575,13 @@ def validate_config(cfg: Config, world_size: int) -> None:
 
     t = cfg.training
     _require(t.steps >= 1, "training.steps", t.steps, "must be >= 1")
-    _require(t.micro_batch_size >= 1, "training.micro_batch_size", t.micro_batch_size, "must be >= 1")
+    longest = cfg.data.max_prompt_tokens + cfg.generation.max_new_tokens
+    _require(
+        t.micro_batch_tokens >= longest,
+        "training.micro_batch_tokens",
+        t.micro_batch_tokens,
+        f"must hold the longest episode: data.max_prompt_tokens + generation.max_new_tokens = {longest}",
+    )
 
     e = cfg.eval
     _require(e.every >= 0, "eval.every", e.every, "must be >= 0 (0 = only at step 0 and the end)")

@@ -162,7 +162,7 @@ class Run:
                 cfg.grpo,
                 cfg.optimizer,
                 total_steps=cfg.training.steps,
-                micro_batch_size=cfg.training.micro_batch_size,
+                micro_batch_tokens=cfg.training.micro_batch_tokens,
                 temperature=cfg.generation.temperature,
                 max_new_tokens=cfg.generation.max_new_tokens,
                 activation_checkpointing=cfg.model.activation_checkpointing,

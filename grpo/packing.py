@@ -1,4 +1,5 @@
-"""Pack episodes into rows for the trainer's forward: several sequences per row, no cross-attention."""
+"""Pack episodes for the trainer's forward: micro-batches within a token budget, each one row of
+sequences back to back with no cross-attention."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from grpo.episode import EpisodeBatch
 
 @dataclass
 class PackedRows:
-    """Model inputs and per-token training data, all [R, W].
+    """Model inputs and per-token training data, all [R, W] (R = 1 from `pack_episodes`).
 
     Token (r, c) predicts targets[r, c]. loss_mask marks targets that are completion tokens;
     advantages and gen_logprobs are aligned with targets. doc_ids[r, c] is the index in the source
@@ -27,26 +28,38 @@ class PackedRows:
     gen_logprobs: torch.Tensor
 
 
+def plan_micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
+    """First-fit-decreasing: indices of lengths grouped so that each group's lengths sum to at most
+    budget, in few groups. A length above the budget is refused (nothing could hold it)."""
+    longest = max(lengths, default=0)
+    if longest > budget:
+        raise ValueError(
+            f"training.micro_batch_tokens ({budget}) is smaller than an episode of {longest} tokens; "
+            f"raise it to at least data.max_prompt_tokens + generation.max_new_tokens"
+        )
+    bins: list[list[int]] = []
+    free: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        slot = next((b for b, space in enumerate(free) if space >= lengths[i]), None)
+        if slot is None:
+            bins.append([])
+            free.append(budget)
+            slot = len(bins) - 1
+        bins[slot].append(i)
+        free[slot] -= lengths[i]
+    return bins
+
+
 def pack_episodes(batch: EpisodeBatch, pad_id: int = 0, mask_truncated: bool = False) -> PackedRows:
-    """First-fit-decreasing packing of each episode's (seq_len - 1) input tokens into rows as wide as the longest.
+    """Every episode's (seq_len - 1) input tokens back to back in one row [1, N], longest first
+    (no padding: attention keeps to each episode through doc_ids, see model/attention.py).
 
     mask_truncated: completions cut by the token budget get no loss tokens (their reward judges an
     unfinished answer).
     """
     input_lens = (batch.seq_lens - 1).tolist()
-    width = max(input_lens)
-    rows: list[list[int]] = []
-    free: list[int] = []
-    for i in sorted(range(len(batch)), key=lambda i: -input_lens[i]):
-        slot = next((r for r, space in enumerate(free) if space >= input_lens[i]), None)
-        if slot is None:
-            rows.append([])
-            free.append(width)
-            slot = len(rows) - 1
-        rows[slot].append(i)
-        free[slot] -= input_lens[i]
-
-    shape = (len(rows), width)
+    order = sorted(range(len(batch)), key=lambda i: -input_lens[i])
+    shape = (1, max(1, sum(input_lens)))
     tokens = torch.full(shape, pad_id, dtype=torch.long)
     targets = torch.full(shape, pad_id, dtype=torch.long)
     positions = torch.zeros(shape, dtype=torch.long)
@@ -55,19 +68,18 @@ def pack_episodes(batch: EpisodeBatch, pad_id: int = 0, mask_truncated: bool = F
     advantages = torch.zeros(shape, dtype=torch.float32)
     gen_logprobs = torch.zeros(shape, dtype=torch.float32)
     src_tokens, src_logprobs = batch.tokens.cpu(), batch.gen_logprobs.cpu()
-    for r, members in enumerate(rows):
-        col = 0
-        for i in members:
-            n = input_lens[i]
-            span = slice(col, col + n)
-            tokens[r, span] = src_tokens[i, :n]
-            targets[r, span] = src_tokens[i, 1 : n + 1]
-            gen_logprobs[r, span] = src_logprobs[i, 1 : n + 1]
-            positions[r, span] = torch.arange(n)
-            doc_ids[r, span] = i
-            first_completion_target = int(batch.prompt_lens[i]) - 1
-            if not (mask_truncated and bool(batch.truncated[i])):
-                loss_mask[r, col + first_completion_target : col + n] = 1.0
-            advantages[r, span] = float(batch.advantages[i])
-            col += n
+    col = 0
+    for i in order:
+        n = input_lens[i]
+        span = slice(col, col + n)
+        tokens[0, span] = src_tokens[i, :n]
+        targets[0, span] = src_tokens[i, 1 : n + 1]
+        gen_logprobs[0, span] = src_logprobs[i, 1 : n + 1]
+        positions[0, span] = torch.arange(n)
+        doc_ids[0, span] = i
+        first_completion_target = int(batch.prompt_lens[i]) - 1
+        if not (mask_truncated and bool(batch.truncated[i])):
+            loss_mask[0, col + first_completion_target : col + n] = 1.0
+        advantages[0, span] = float(batch.advantages[i])
+        col += n
     return PackedRows(tokens, positions, doc_ids, targets, loss_mask, advantages, gen_logprobs)

@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 from grpo.config import GRPOConfig, OptimizerConfig
 from grpo.episode import EpisodeBatch
 from grpo.loss import LossSettings, Normalizers, policy_loss
-from grpo.packing import PackedRows, pack_episodes
+from grpo.packing import PackedRows, pack_episodes, plan_micro_batches
 from model import Transformer
 from model.parallelize import parallelize
 
@@ -58,7 +58,7 @@ class Trainer:
         grpo: GRPOConfig,
         optim: OptimizerConfig,
         total_steps: int,
-        micro_batch_size: int,
+        micro_batch_tokens: int,
         temperature: float,
         max_new_tokens: int,
         activation_checkpointing: bool = False,
@@ -66,10 +66,11 @@ class Trainer:
         reference: Transformer | None = None,
     ):
         """`model` and `reference` (needed when grpo.kl_coef > 0: the frozen policy the KL penalty
-        pulls toward) are fp32 models on this rank's device; both get sharded over `mesh`."""
+        pulls toward) are fp32 models on this rank's device; both get sharded over `mesh`.
+        micro_batch_tokens: the most tokens (prompt + completion) one forward/backward packs."""
         self.mesh, self.device = mesh, device
         self.grpo, self.optim = grpo, optim
-        self.micro_batch_size = micro_batch_size
+        self.micro_batch_tokens = micro_batch_tokens
         # Log-probs are those of the sampling distribution; greedy sampling scores at temperature 1.
         self.temperature = temperature if temperature > 0 else 1.0
         self.model = parallelize(model, mesh, compute_dtype, activation_checkpointing, compile)
@@ -99,7 +100,8 @@ class Trainer:
             betas=tuple(optim.betas),
             eps=optim.eps,
             weight_decay=optim.weight_decay,
-            foreach=True,
+            # One kernel for the whole update where the device has it.
+            **(dict(fused=True) if device.type == "cuda" else dict(foreach=True)),
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,
@@ -122,7 +124,8 @@ class Trainer:
         return tensor.tolist()
 
     def _micro_batches(self, batch: EpisodeBatch) -> list[list[_MicroBatch]]:
-        """Split into `minibatches` minibatches of whole groups, each into packed micro-batches.
+        """Split into `minibatches` minibatches of whole groups, each into packed micro-batches of
+        at most micro_batch_tokens tokens (first fit, longest episodes first).
 
         Minibatch m holds the m-th slice of ALL trainer ranks' groups in prompt order, so the
         minibatches are those of a single process however the groups are spread over ranks. Every
@@ -135,7 +138,8 @@ class Trainer:
         minibatches = []
         for group_ids in torch.tensor_split(all_groups, self.grpo.minibatches):
             episodes = torch.isin(batch.prompt_index, group_ids).nonzero().flatten()
-            chunks = [episodes[i : i + self.micro_batch_size] for i in range(0, len(episodes), self.micro_batch_size)]
+            lengths = (batch.seq_lens[episodes] - 1).tolist()
+            chunks = [episodes[members] for members in plan_micro_batches(lengths, self.micro_batch_tokens)]
             minibatches.append(
                 [_MicroBatch(pack_episodes(batch.select(c), mask_truncated=self.grpo.mask_truncated)) for c in chunks]
             )

@@ -52,7 +52,7 @@ def _full_state(trainer: Trainer) -> dict[str, torch.Tensor]:
 def _trainer(world: int) -> Trainer:
     mesh = init_device_mesh("cpu", (world,))
     return Trainer(build_model(), mesh, torch.device("cpu"), torch.float32, grpo_config(), optim_config(),
-                   total_steps=10, micro_batch_size=2, temperature=0.7, max_new_tokens=8)
+                   total_steps=10, micro_batch_tokens=12, temperature=0.7, max_new_tokens=8)
 
 
 def _save_rank(rank: int, world: int, root: str):

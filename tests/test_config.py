@@ -157,7 +157,7 @@ def test_weights_functions_length_mismatch():
     [
         ("--training.steps=0", "training.steps"),
         ("--data.prompts_per_step=0", "data.prompts_per_step"),
-        ("--training.micro_batch_size=0", "training.micro_batch_size"),
+        ("--training.micro_batch_tokens=0", "training.micro_batch_tokens"),
         ("--generation.temperature=-0.1", "generation.temperature"),
         ("--generation.top_p=0", "generation.top_p"),
         ("--generation.top_p=1.5", "generation.top_p"),

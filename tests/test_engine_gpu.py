@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from grpo.engine import GenerationRequest, NativeEngine, SamplingParams
 from model import ModelArgs, Transformer
-from model.attention import document_mask, packed_attention, slot_decode, varlen_prefill
+from model.attention import slot_decode, varlen_prefill
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CUDA graphs, flash attention)")
 
@@ -68,8 +68,11 @@ def test_flash_varlen_prefill_matches_reference():
     k, v = torch.randn(N, Hkv, D, device=DEVICE, dtype=torch.bfloat16), torch.randn(N, Hkv, D, device=DEVICE, dtype=torch.bfloat16)
     cu = torch.tensor([0, 5, 38, 39, 109], device=DEVICE, dtype=torch.int32)
     out = varlen_prefill(q, k, v, cu, max(lengths))
-    doc = torch.repeat_interleave(torch.arange(4, device=DEVICE), torch.tensor(lengths, device=DEVICE))
-    want = packed_attention(q[None].float(), k[None].float(), v[None].float(), document_mask(doc[None]))[0]
+    want = torch.cat([
+        F.scaled_dot_product_attention(*(t[a:b].float().transpose(0, 1) for t in (q, k, v)), is_causal=True,
+                                       enable_gqa=True).transpose(0, 1)
+        for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())
+    ])
     torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
 
 

@@ -55,7 +55,7 @@ def make_trainer(world: int = 1, minibatches: int = 1) -> Trainer:
                             min_lr_ratio=0.1, max_grad_norm=1.0)
     grpo_cfg = GRPOConfig(group_size=3, minibatches=minibatches)
     return Trainer(model, init_device_mesh("cpu", (world,)), torch.device("cpu"), torch.float32, grpo_cfg, optim,
-                   total_steps=10, micro_batch_size=2, temperature=0.7, max_new_tokens=8)
+                   total_steps=10, micro_batch_tokens=12, temperature=0.7, max_new_tokens=8)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,7 @@ from model import (
     from_hf,
     to_hf,
 )
+from model.attention import packed_attention, sequence_layout
 from model.args import SUPPORTED_ARCHITECTURES, SUPPORTED_ROPE_TYPES
 from model.model import rope_inv_freq
 from grpo.engine.cache import SlotCache
@@ -479,8 +480,8 @@ def test_packed_rows_match_separate_sequences(chunk_tokens, monkeypatch):
     model = native_model()
     V = model.args.vocab_size
     gen = torch.Generator().manual_seed(3)
-    lengths = [[5, 9, 3, 7], [11, 6]]  # row 1 ends in 7 padding tokens
-    row_len = 24
+    lengths = [[5, 1, 9, 3, 7], [11, 6]]  # a sequence of length 1; row 1 ends in 8 padding tokens
+    row_len = 25
     seqs = [[torch.randint(V, (n,), generator=gen) for n in row] for row in lengths]
     seq_targets = [[torch.randint(V, (n,), generator=gen) for n in row] for row in lengths]
 
@@ -520,6 +521,33 @@ def test_packed_rows_match_separate_sequences(chunk_tokens, monkeypatch):
     for name, param in model.named_parameters():
         assert param.grad.abs().max() > 0, name
         torch.testing.assert_close(packed_grads[name], param.grad, atol=1e-5, rtol=0, msg=name)
+
+
+def test_sequence_layout_reads_runs_of_equal_doc_ids_per_row():
+    doc_ids = torch.tensor([[0, 0, 1, 2, 2, 2], [2, 2, 3, -1, -1, -1]])  # row 1 starts a new sequence
+    layout = sequence_layout(doc_ids, (2, 6), torch.device("cpu"))
+    assert layout.bounds == [0, 2, 3, 6, 8, 9, 12] and layout.max_len == 3
+    assert layout.cu_seqlens.dtype == torch.int32 and layout.cu_seqlens.tolist() == layout.bounds
+    assert sequence_layout(None, (2, 6), torch.device("cpu")).bounds == [0, 6, 12]
+
+
+def test_packed_attention_equals_each_sequence_alone():
+    """Mixed lengths, 1 included, against one plain causal SDPA per sequence (fp32, GQA)."""
+    gen = torch.Generator().manual_seed(5)
+    lengths = [4, 1, 9, 2]
+    N, H, Hkv, D = sum(lengths), 4, 2, 8
+    q, k, v = torch.randn(1, N, H, D, generator=gen), torch.randn(1, N, Hkv, D, generator=gen), torch.randn(1, N, Hkv, D, generator=gen)
+    doc_ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[None]
+    out = packed_attention(q, k, v, sequence_layout(doc_ids, (1, N), torch.device("cpu")))
+    start = 0
+    for n in lengths:
+        qs, ks, vs = (t[0, start : start + n].transpose(0, 1) for t in (q, k, v))
+        ks, vs = ks.repeat_interleave(H // Hkv, 0), vs.repeat_interleave(H // Hkv, 0)
+        scores = (qs @ ks.transpose(1, 2)) / D**0.5
+        scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+        want = (scores.softmax(-1) @ vs).transpose(0, 1)
+        torch.testing.assert_close(out[0, start : start + n], want, atol=1e-5, rtol=0)
+        start += n
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])

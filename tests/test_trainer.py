@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from grpo.config import GRPOConfig, OptimizerConfig
 from grpo.episode import EpisodeBatch
-from grpo.packing import pack_episodes
+from grpo.packing import pack_episodes, plan_micro_batches
 from grpo.trainer import Trainer, lr_factor
 from model import ModelArgs, Transformer
 from tests.batches import hand_made_batch
@@ -36,6 +36,8 @@ TEMPERATURE = 0.7
 CLIP_LOW, CLIP_HIGH = 0.2, 0.28
 MAX_NORM = 0.05  # well below the batch's gradient norm: clipping binds
 ATOL = 1e-6
+# micro_batch_tokens: the whole batch in one micro-batch, or several (the longest episode has 10 input tokens)
+WHOLE, SMALL = 1000, 12
 
 
 def optim_config(max_grad_norm: float = 0.0) -> OptimizerConfig:
@@ -144,7 +146,7 @@ def reference_run(batch: EpisodeBatch, minibatch_groups: list[list[int]], num_it
 
 
 def run_trainer(
-    batch: EpisodeBatch, world: int, micro_batch_size: int, optim: OptimizerConfig, grpo: GRPOConfig,
+    batch: EpisodeBatch, world: int, micro_batch_tokens: int, optim: OptimizerConfig, grpo: GRPOConfig,
     timeout_s: float | None = None,
 ):
     """Trainer.train on this rank's batch; (full weights after the step, metrics). Collective.
@@ -156,7 +158,7 @@ def run_trainer(
         group = dist.new_group(list(range(world)), timeout=timedelta(seconds=timeout_s))
         mesh = DeviceMesh.from_group(group, "cpu")
     trainer = Trainer(build_model(), mesh, torch.device("cpu"), torch.float32, grpo, optim, total_steps=10,
-                      micro_batch_size=micro_batch_size, temperature=TEMPERATURE, max_new_tokens=8)
+                      micro_batch_tokens=micro_batch_tokens, temperature=TEMPERATURE, max_new_tokens=8)
     metrics = trainer.train(batch)
     weights = {}
     for name, param in trainer.model.named_parameters():
@@ -165,8 +167,8 @@ def run_trainer(
     return weights, metrics
 
 
-# rank -> groups: rank 0 holds one short group (6 completion tokens, 2 micro-batches of <= 2 episodes),
-# rank 1 three (36 tokens, 5 micro-batches): rank 0 pads with empty micro-batches
+# rank -> groups: rank 0 holds one short group (12 tokens: 1 micro-batch of SMALL tokens), rank 1
+# three (several micro-batches): rank 0 pads with empty micro-batches
 UNEVEN = [[0], [1, 2, 3]]
 # two groups each: the same number of micro-batches per rank, different token counts (18 vs 24)
 EVEN = [[0, 1], [2, 3]]
@@ -189,7 +191,7 @@ def _dist_worker(rank: int, world: int):
     for name, sc in DIST_SCENARIOS.items():
         local = batch.select(episodes_of(batch, sc["split"][rank]))
         try:
-            results[name] = run_trainer(local, world, 2, optim_config(**sc["optim"]), grpo_config(**sc["grpo"]),
+            results[name] = run_trainer(local, world, SMALL, optim_config(**sc["optim"]), grpo_config(**sc["grpo"]),
                                         timeout_s=sc.get("timeout_s"))
         except Exception as exc:  # recorded; the test of that scenario reports it
             results[name] = f"{type(exc).__name__}: {exc}"
@@ -212,12 +214,12 @@ def rank_result(rank_results: dict, scenario: str):
 
 @pytest.fixture(scope="module")
 def single():
-    """Single-process trainer runs, keyed by (micro_batch_size, max_grad_norm, minibatches, num_iterations)."""
+    """Single-process trainer runs, keyed by (micro_batch_tokens, max_grad_norm, minibatches, num_iterations)."""
     batch = make_batch()
     out = {}
     with single_process_group():
-        for mbs, norm, mb, iters in [(1000, 0.0, 1, 1), (2, 0.0, 1, 1), (1000, MAX_NORM, 1, 1), (2, MAX_NORM, 1, 1),
-                                     (2, 0.0, 2, 2), (1000, 0.0, 2, 1)]:
+        for mbs, norm, mb, iters in [(WHOLE, 0.0, 1, 1), (SMALL, 0.0, 1, 1), (WHOLE, MAX_NORM, 1, 1),
+                                     (SMALL, MAX_NORM, 1, 1), (SMALL, 0.0, 2, 2), (WHOLE, 0.0, 2, 1)]:
             out[(mbs, norm, mb, iters)] = run_trainer(batch, 1, mbs, optim_config(norm), grpo_config(mb, iters))
     return out
 
@@ -285,50 +287,53 @@ def _episode_batch(prompts: list[list[int]], completions: list[list[int]], advan
 
 
 def test_pack_episodes_hand_layout():
-    # input lengths (seq_len - 1): A 4, B 2, C 3, D 2 -> width 4; first-fit decreasing: [A] [C .] [B D]
+    # input lengths (seq_len - 1): A 4, B 2, C 3, D 2 -> one row, longest first: A C B D, no padding
     batch = _episode_batch(
         prompts=[[10, 11, 12], [20, 21], [30], [40, 41]],
         completions=[[13, 14], [22], [31, 32, 33], [42]],
         advantages=[0.5, -1.0, 2.0, -0.25],
     )
     rows = pack_episodes(batch, pad_id=0)
-    assert rows.tokens.tolist() == [[10, 11, 12, 13], [30, 31, 32, 0], [20, 21, 40, 41]]
-    assert rows.targets.tolist() == [[11, 12, 13, 14], [31, 32, 33, 0], [21, 22, 41, 42]]
-    assert rows.positions.tolist() == [[0, 1, 2, 3], [0, 1, 2, 0], [0, 1, 0, 1]]
-    assert rows.doc_ids.tolist() == [[0, 0, 0, 0], [2, 2, 2, -1], [1, 1, 3, 3]]
+    assert rows.tokens.tolist() == [[10, 11, 12, 13, 30, 31, 32, 20, 21, 40, 41]]
+    assert rows.targets.tolist() == [[11, 12, 13, 14, 31, 32, 33, 21, 22, 41, 42]]
+    assert rows.positions.tolist() == [[0, 1, 2, 3, 0, 1, 2, 0, 1, 0, 1]]
+    assert rows.doc_ids.tolist() == [[0, 0, 0, 0, 2, 2, 2, 1, 1, 3, 3]]
     # a target is trained on iff it is a completion token
-    assert rows.loss_mask.tolist() == [[0, 0, 1, 1], [1, 1, 1, 0], [0, 1, 0, 1]]
-    assert rows.advantages.tolist() == [[0.5] * 4, [2.0, 2.0, 2.0, 0.0], [-1.0, -1.0, -0.25, -0.25]]
+    assert rows.loss_mask.tolist() == [[0, 0, 1, 1, 1, 1, 1, 0, 1, 0, 1]]
+    assert rows.advantages.tolist() == [[0.5] * 4 + [2.0] * 3 + [-1.0] * 2 + [-0.25] * 2]
     # π_gen's log-prob of each target (episode i, sequence position t: -(i+1) - 0.1 t)
-    expected_gen = [[0, 0, -1.3, -1.4], [-3.1, -3.2, -3.3, 0], [0, -2.2, 0, -4.2]]
+    expected_gen = [[0, 0, -1.3, -1.4, -3.1, -3.2, -3.3, 0, -2.2, 0, -4.2]]
     torch.testing.assert_close(rows.gen_logprobs, torch.tensor(expected_gen), atol=1e-6, rtol=0)
+
+
+def test_plan_micro_batches_first_fit_decreasing():
+    # lengths 5 2 7 3 4 into 8-token micro-batches: 7 -> [7]; 5 -> [5]; 4 -> [4]; 3 -> 5 + 3; 2 -> 4 + 2
+    assert plan_micro_batches([5, 2, 7, 3, 4], 8) == [[2], [0, 3], [4, 1]]
+    assert plan_micro_batches([3, 3], 8) == [[0, 1]]
+    assert plan_micro_batches([], 8) == []
+    with pytest.raises(ValueError, match=r"training.micro_batch_tokens \(8\) is smaller than an episode of 9 tokens"):
+        plan_micro_batches([3, 9], 8)
 
 
 def test_pack_episodes_generic_batch():
     batch = make_batch()
     rows = pack_episodes(batch, pad_id=0)
-    width = int((batch.seq_lens - 1).max())
-    assert rows.tokens.shape[1] == width and rows.tokens.shape[0] <= len(batch)
+    assert rows.tokens.shape == (1, int((batch.seq_lens - 1).sum()))  # no padding
     assert float(rows.loss_mask.sum()) == sum(sum(c) for c in COMPLETION_LENS)
-    seen = set()
-    for r in range(rows.tokens.shape[0]):
-        ids = rows.doc_ids[r].tolist()
-        for i in sorted(set(ids) - {-1}):
-            cols = [c for c, d in enumerate(ids) if d == i]
-            assert cols == list(range(cols[0], cols[0] + len(cols)))  # contiguous
-            seen.add(i)
-            p, c = int(batch.prompt_lens[i]), int(batch.completion_lens[i])
-            seq = batch.tokens[i, : p + c].tolist()
-            assert len(cols) == p + c - 1
-            assert rows.tokens[r, cols].tolist() == seq[:-1]
-            assert rows.targets[r, cols].tolist() == seq[1:]
-            assert rows.positions[r, cols].tolist() == list(range(p + c - 1))
-            assert rows.loss_mask[r, cols].tolist() == [float(t + 1 >= p) for t in range(p + c - 1)]
-            assert rows.advantages[r, cols].tolist() == [float(batch.advantages[i])] * len(cols)
-            assert rows.gen_logprobs[r, cols].tolist() == batch.gen_logprobs[i, 1 : p + c].tolist()
-        pad = [c for c, d in enumerate(ids) if d == -1]
-        assert all(float(rows.loss_mask[r, c]) == 0.0 and float(rows.advantages[r, c]) == 0.0 for c in pad)
-    assert seen == set(range(len(batch)))
+    ids = rows.doc_ids[0].tolist()
+    assert -1 not in ids and set(ids) == set(range(len(batch)))
+    for i in range(len(batch)):
+        cols = [c for c, d in enumerate(ids) if d == i]
+        assert cols == list(range(cols[0], cols[0] + len(cols)))  # contiguous
+        p, c = int(batch.prompt_lens[i]), int(batch.completion_lens[i])
+        seq = batch.tokens[i, : p + c].tolist()
+        assert len(cols) == p + c - 1
+        assert rows.tokens[0, cols].tolist() == seq[:-1]
+        assert rows.targets[0, cols].tolist() == seq[1:]
+        assert rows.positions[0, cols].tolist() == list(range(p + c - 1))
+        assert rows.loss_mask[0, cols].tolist() == [float(t + 1 >= p) for t in range(p + c - 1)]
+        assert rows.advantages[0, cols].tolist() == [float(batch.advantages[i])] * len(cols)
+        assert rows.gen_logprobs[0, cols].tolist() == batch.gen_logprobs[i, 1 : p + c].tolist()
 
 
 def test_select_trims_to_longest_sequence():
@@ -356,7 +361,7 @@ def test_lr_factor_warmup_then_cosine():
 
 def test_single_process_whole_batch_matches_reference(single, reference):
     weights, stats = reference["noclip"]
-    got, metrics = single[(1000, 0.0, 1, 1)]
+    got, metrics = single[(WHOLE, 0.0, 1, 1)]
     assert_weights_close(got, weights, initial_weights())
     check_metrics(metrics, stats, updates=1, exact_ratio=True)
     assert stats["norms"][0] > 2 * MAX_NORM  # so the clipped runs really clip
@@ -364,14 +369,14 @@ def test_single_process_whole_batch_matches_reference(single, reference):
 
 def test_single_process_micro_batches_match_reference(single, reference):
     weights, stats = reference["noclip"]
-    got, metrics = single[(2, 0.0, 1, 1)]
+    got, metrics = single[(SMALL, 0.0, 1, 1)]
     assert_weights_close(got, weights)
     check_metrics(metrics, stats, updates=1, exact_ratio=True)
 
 
 def test_single_process_clipped_matches_reference(single, reference):
     weights, stats = reference["clip"]
-    for mbs in (1000, 2):
+    for mbs in (WHOLE, SMALL):
         got, metrics = single[(mbs, MAX_NORM, 1, 1)]
         assert_weights_close(got, weights, initial_weights())
         check_metrics(metrics, stats, updates=1, exact_ratio=True)
@@ -392,7 +397,7 @@ def test_two_ranks_match_single_process_reference(dist_results, reference):
 def test_pi_old_held_fixed_over_minibatches_and_iterations(single, reference):
     # 2 minibatches x 2 passes = 4 optimizer steps, every ratio against the policy before the first
     weights, stats = reference["mb2_iters2"]
-    got, metrics = single[(2, 0.0, 2, 2)]
+    got, metrics = single[(SMALL, 0.0, 2, 2)]
     assert stats["clipped"] > 0 and abs(stats["ratio"] / stats["tokens"] - 1) > 1e-3  # ratios do move
     assert_weights_close(got, weights, initial_weights())
     check_metrics(metrics, stats, updates=4)
@@ -417,7 +422,7 @@ def test_two_ranks_uneven_micro_batches_with_pi_old_recompute(dist_results, refe
 
 def test_single_process_minibatches_match_reference(single, reference):
     weights, stats = reference["mb2"]
-    got, metrics = single[(1000, 0.0, 2, 1)]
+    got, metrics = single[(WHOLE, 0.0, 2, 1)]
     assert_weights_close(got, weights, initial_weights())
     check_metrics(metrics, stats, updates=2)
 

@@ -2,9 +2,9 @@
 
 For loss_type in grpo, dapo, dr_grpo and gspo, a fixed batch is trained (fp32) as
   (a) the whole batch in one micro-batch, one process (1-rank gloo mesh),
-  (b) several micro-batches (micro_batch_size=2), one process,
+  (b) several micro-batches (micro_batch_tokens=12), one process,
   (c) 2 gloo ranks, rank 0 holding groups {0, 1, 2} and rank 1 group {3} (uneven token counts and
-      micro-batch counts: rank 1 pads with empty micro-batches), micro_batch_size=2,
+      micro-batch counts: rank 1 pads with empty micro-batches), micro_batch_tokens=12,
 and the gradient of every optimizer step (recorded by a Trainer subclass just before the step) and
 the final weights must agree to 1e-6. Each loss type runs in two settings: one update on the batch
 (π_old = π_θ, ratios exactly 1), and 2 iterations x 2 minibatches (4 optimizer steps, ratios move
@@ -109,11 +109,11 @@ class RecordingTrainer(Trainer):
         return super()._optimizer_step()
 
 
-def run_trainer(batch: EpisodeBatch, world: int, micro_batch_size: int, loss_type: str, setting: str) -> dict:
+def run_trainer(batch: EpisodeBatch, world: int, micro_batch_tokens: int, loss_type: str, setting: str) -> dict:
     """Trainer.train on this rank's part of the batch. Collective (on the default group)."""
     mesh = init_device_mesh("cpu", (world,))
     trainer = RecordingTrainer(build_model(), mesh, torch.device("cpu"), torch.float32, grpo_config(loss_type, setting),
-                               optim_config(), total_steps=10, micro_batch_size=micro_batch_size,
+                               optim_config(), total_steps=10, micro_batch_tokens=micro_batch_tokens,
                                temperature=TEMPERATURE, max_new_tokens=MAX_NEW_TOKENS)
     metrics = trainer.train(batch)
     weights = {}
@@ -128,7 +128,7 @@ def _dist_worker(rank: int, world: int) -> dict:
     results = {}
     for case in CASES:
         try:
-            results[case] = run_trainer(local, world, 2, *case)
+            results[case] = run_trainer(local, world, 12, *case)
         except Exception as exc:  # recorded; the test of that case reports it
             results[case] = f"{type(exc).__name__}: {exc}"
             abandon_group()
@@ -138,12 +138,12 @@ def _dist_worker(rank: int, world: int) -> dict:
 
 @pytest.fixture(scope="module")
 def single() -> dict:
-    """(loss_type, setting, micro_batch_size) -> result of a one-process run on the whole batch."""
+    """(loss_type, setting, micro_batch_tokens) -> result of a one-process run on the whole batch."""
     batch = make_batch()
     out = {}
     with single_process_group():
         for case in CASES:
-            for mbs in (1000, 2):
+            for mbs in (1000, 12):
                 out[(*case, mbs)] = run_trainer(batch, 1, mbs, *case)
     return out
 
@@ -223,7 +223,7 @@ def test_loss_types_give_different_gradients(single, setting: str):
 
 @pytest.mark.parametrize("loss_type,setting", CASES)
 def test_micro_batches_match_whole_batch(single, loss_type: str, setting: str):
-    assert_same_run(single[(loss_type, setting, 2)], single[(loss_type, setting, 1000)])
+    assert_same_run(single[(loss_type, setting, 12)], single[(loss_type, setting, 1000)])
 
 
 @pytest.mark.parametrize("loss_type,setting", CASES)

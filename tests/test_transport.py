@@ -209,7 +209,7 @@ def test_exchange_one_generator_two_trainers(tmp_path):
 # ------------------------------------------------------- equal micro-batch counts across trainers
 
 TRAIN_ARGS = ModelArgs(vocab_size=V, dim=16, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=8, ffn_dim=24)
-MICRO_BATCH = 2
+MICRO_TOKENS = 8
 # trainer rank 0 holds 1 group (3 episodes), rank 1 holds 3 groups (9 episodes)
 RANK_PROMPTS = [[0], [1, 2, 3]]
 
@@ -230,7 +230,7 @@ def _trainer(group, num_iterations: int, minibatches: int) -> Trainer:
     grpo = GRPOConfig(group_size=GROUP_SIZE, num_iterations=num_iterations, minibatches=minibatches)
     optim = OptimizerConfig(lr=1e-2, warmup_steps=0)
     return Trainer(model, mesh, torch.device("cpu"), torch.float32, grpo, optim, total_steps=2,
-                   micro_batch_size=MICRO_BATCH, temperature=1.0, max_new_tokens=8)
+                   micro_batch_tokens=MICRO_TOKENS, temperature=1.0, max_new_tokens=8)
 
 
 def _shape_of(minibatches) -> list[list[int]]:
@@ -255,13 +255,17 @@ def _train_case(group, rank, num_iterations, minibatches, train: bool) -> dict:
 
 # (num_iterations, minibatches, run train): (1, 1) skips the π_old pass; (2, 2) needs it.
 TRAIN_CASES = [(1, 1, True), (1, 2, False), (2, 2, True)]
-# per minibatches, per rank: episodes in each micro-batch (-1: padding), worked out by hand.
-# minibatches=1: rank 0 has 3 episodes -> [2, 1], rank 1 has 9 -> [2, 2, 2, 2, 1]; both run 5.
+# per minibatches, per rank: episodes in each micro-batch (-1: padding), worked out by hand from the
+# episodes' input lengths (prompt + completion - 1): p0 2, 3, 4; p1 4, 5, 6; p2 6, 7, 4; p3 5, 2, 3,
+# first fit into micro-batches of 8 tokens, longest first.
+# minibatches=1: rank 0 -> {4, 3} {2} = [2, 1]; rank 1 -> {7} {6, 2} {6} {5, 3} {5} {4, 4} =
+# [1, 2, 1, 2, 1, 2]; both run 6.
 # minibatches=2: minibatch m is the m-th half of ALL ranks' groups in prompt order, {p0, p1} then
-# {p2, p3}: rank 0 has p0 -> [2, 1] then nothing; rank 1 has p1 -> [2, 1] then p2, p3 -> [2, 2, 2].
+# {p2, p3}: rank 0 has p0 -> [2, 1] then nothing; rank 1 has p1 -> {6} {5} {4} = [1, 1, 1] then
+# p2, p3 -> {7} {6, 2} {5, 3} {4} = [1, 2, 2, 1].
 EXPECTED_SHAPES = {
-    1: [[[2, 1, -1, -1, -1]], [[2, 2, 2, 2, 1]]],
-    2: [[[2, 1], [-1, -1, -1]], [[2, 1], [2, 2, 2]]],
+    1: [[[2, 1, -1, -1, -1, -1]], [[1, 2, 1, 2, 1, 2]]],
+    2: [[[2, 1, -1], [-1, -1, -1, -1]], [[1, 1, 1], [1, 2, 2, 1]]],
 }
 
 

@@ -358,7 +358,7 @@ def test_colocated_refresh_copies_into_engine_storage(dtype):
         policy = Transformer(ARGS, dtype=torch.float32)
         policy.init_weights()
         trainer = Trainer(policy, mesh, torch.device("cpu"), torch.float32, GRPOConfig(group_size=2),
-                          OptimizerConfig(), total_steps=1, micro_batch_size=4, temperature=1.0, max_new_tokens=4)
+                          OptimizerConfig(), total_steps=1, micro_batch_tokens=64, temperature=1.0, max_new_tokens=4)
         engine = NativeEngine(ARGS, SamplingParams(4), eos_ids=[0], seed=0, dtype=dtype, device="cpu")
         engine_params = dict(engine.model.named_parameters())
         ptrs = {n: p.data_ptr() for n, p in engine_params.items()}
