@@ -71,14 +71,8 @@ def _varlen_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Se
     params = inspect.signature(varlen_attn).parameters
     # torch 2.10 spells causal `is_causal`; later releases take a (left, right) window.
     causal = dict(window_size=(-1, 0)) if "window_size" in params else dict(is_causal=True)
-    if "enable_gqa" in params:
-        extra = dict(enable_gqa=q.shape[1] != k.shape[1])
-    elif q.shape[1] != k.shape[1]:
-        # Older releases of the API take only equal head counts.
-        group = q.shape[1] // k.shape[1]
-        k, v, extra = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1), {}
-    else:
-        extra = {}
+    # The flash kernel serves grouped K/V heads natively; releases without the flag pass them as is.
+    extra = dict(enable_gqa=q.shape[1] != k.shape[1]) if "enable_gqa" in params else {}
     cu, n = layout.cu_seqlens, layout.max_len
     return varlen_attn(q, k, v, cu, cu, n, n, **causal, **extra)
 

@@ -20,14 +20,10 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from model.args import ModelArgs
 from model.attention import SequenceLayout, packed_attention, sequence_layout
-
-# Tokens per chunk of the log-prob head: bounds the fp32 [chunk, V] logits held at once.
-LOGPROB_CHUNK_TOKENS = 1024
-
+from model.logprob_head import HeadKernels, target_logprobs
 
 class RMSNorm(nn.Module):
     """x / rms(x) * weight, normalised in fp32 and cast back before the scale (as HF does)."""
@@ -208,8 +204,8 @@ class Transformer(nn.Module):
         self.output = None if args.tie_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False, dtype=dtype, device=device)
         # Derived from args, not state: kept off the state dict and rebuilt wherever the model lives.
         self._inv_freq = rope_inv_freq(args)
-        # The log-prob head's per-chunk function (model/parallelize.py may swap in a compiled one).
-        self.logprob_chunk: Callable = chunk_logprobs
+        # The log-prob head's per-chunk functions (model/parallelize.py may swap in compiled ones).
+        self.head_kernels = HeadKernels()
 
     def fuse_projections(self) -> None:
         """Inference layout: one matmul for each block's q/k/v and one for its SwiGLU gate and up
@@ -254,7 +250,7 @@ class Transformer(nn.Module):
             tokens must be contiguous in the row (default: one sequence per row).
         Without targets: logits [B, T, V] in the compute dtype.
         With targets [B, T]: TokenLogprobs of log softmax(logits / temperature)[target] and the entropy
-            of that distribution, in fp32, computed chunk by chunk (forward and backward).
+            of that distribution, in fp32, computed chunk by chunk (model/logprob_head.py).
         """
         B, T = tokens.shape
         if positions is None:
@@ -267,7 +263,9 @@ class Transformer(nn.Module):
         h = self.norm(h)
         if targets is None:
             return F.linear(h, self.output_weight)
-        return chunked_target_logprobs(h, self.output_weight, targets, temperature, self.logprob_chunk)
+        logprobs, entropy = target_logprobs(h, self.output_weight, targets, temperature, self.head_kernels)
+        # Cloned out of the views so that FSDP's pre-backward hook sits on a tensor no in-place op can bypass.
+        return TokenLogprobs(logprobs.clone(), entropy.clone())
 
     def decode(
         self,
@@ -289,42 +287,3 @@ class Transformer(nn.Module):
             h = layer.after_attention(h, attend(i, q[0], k[0], v[0])[None])
         h = h[0] if logits_index is None else h[0, logits_index]
         return F.linear(self.norm(h), self.output_weight)
-
-
-def chunk_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float):
-    """hidden [N, dim], weight [V, dim], targets [N] -> target log-probs and entropies [N], fp32."""
-    logits = F.linear(hidden, weight).float() / temperature
-    log_z = torch.logsumexp(logits, dim=-1)
-    target_logprobs = logits.gather(-1, targets[..., None]).squeeze(-1) - log_z
-    entropy = log_z - (torch.softmax(logits, dim=-1) * logits).sum(-1)
-    return target_logprobs, entropy
-
-
-def chunked_target_logprobs(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    targets: torch.Tensor,
-    temperature: float = 1.0,
-    chunk_fn: Callable = chunk_logprobs,
-) -> TokenLogprobs:
-    """log softmax(hidden @ weight.T / temperature)[targets] and entropy, [B, T] fp32.
-
-    Each chunk of LOGPROB_CHUNK_TOKENS tokens is recomputed in backward (activation checkpointing),
-    so at most one chunk's fp32 [chunk, V] logits exists at a time in either pass. chunk_fn computes
-    one chunk: `chunk_logprobs`, or a compiled copy of it that fuses the passes over the logits.
-    """
-    B, T, D = hidden.shape
-    flat_hidden, flat_targets = hidden.reshape(B * T, D), targets.reshape(B * T)
-    logprobs, entropies = [], []
-    for start in range(0, B * T, LOGPROB_CHUNK_TOKENS):
-        end = start + LOGPROB_CHUNK_TOKENS
-        if torch.is_grad_enabled() and hidden.requires_grad:
-            lp, ent = checkpoint(
-                chunk_fn, flat_hidden[start:end], weight, flat_targets[start:end], temperature, use_reentrant=False
-            )
-        else:
-            lp, ent = chunk_fn(flat_hidden[start:end], weight, flat_targets[start:end], temperature)
-        logprobs.append(lp)
-        entropies.append(ent)
-    # Cloned out of the view so that FSDP's pre-backward hook sits on a tensor no in-place op can bypass.
-    return TokenLogprobs(torch.cat(logprobs).view(B, T).clone(), torch.cat(entropies).view(B, T).clone())

@@ -13,7 +13,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
 
-from model.model import Transformer, chunk_logprobs
+from model.logprob_head import HeadKernels, chunk_grad, chunk_stats
+from model.model import Transformer
 
 
 def parallelize(
@@ -40,15 +41,16 @@ def parallelize(
         # the plain model (weight sync and HF export match tensors by name).
         if activation_checkpointing:
             block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
-        fully_shard(block, mesh=mesh, mp_policy=mp_policy)
+        # On one rank a reshard frees nothing worth having and costs a second gather for backward.
+        fully_shard(block, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=mesh.size() > 1)
     fully_shard(model, mesh=mesh, mp_policy=mp_policy)
     return model
 
 
 def compile_blocks(model: Transformer) -> None:
     """torch.compile each block's two halves around its attention (norms, projections, RoPE,
-    SwiGLU and the residuals fuse into few kernels) and the log-prob head's chunk function (one
-    pass over each chunk's logits instead of several). Attention itself stays eager: its kernels
+    SwiGLU and the residuals fuse into few kernels) and the log-prob head's per-chunk functions
+    (one pass over each chunk's logits instead of several). Attention itself stays eager: its kernels
     take per-batch sequence lengths that a compiled graph would specialise on. Shapes are dynamic,
     so micro-batches of any token count share one graph per half."""
     import torch._dynamo.config as dynamo_config
@@ -58,4 +60,4 @@ def compile_blocks(model: Transformer) -> None:
     for block in model.layers:
         block.attention_inputs = torch.compile(block.attention_inputs, dynamic=True)
         block.after_attention = torch.compile(block.after_attention, dynamic=True)
-    model.logprob_chunk = torch.compile(chunk_logprobs, dynamic=True)
+    model.head_kernels = HeadKernels(torch.compile(chunk_stats, dynamic=True), torch.compile(chunk_grad, dynamic=True))

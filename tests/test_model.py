@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-import model.model as model_module
+import model.logprob_head as logprob_head
 from model import (
     CheckpointError,
     ModelArgs,
@@ -476,7 +476,7 @@ def pack(seqs: list[torch.Tensor], row_len: int):
 
 @pytest.mark.parametrize("chunk_tokens", [1024, 7])  # 7: chunks straddle sequence and row boundaries
 def test_packed_rows_match_separate_sequences(chunk_tokens, monkeypatch):
-    monkeypatch.setattr(model_module, "LOGPROB_CHUNK_TOKENS", chunk_tokens)
+    monkeypatch.setattr(logprob_head, "LOGPROB_CHUNK_TOKENS", chunk_tokens)
     model = native_model()
     V = model.args.vocab_size
     gen = torch.Generator().manual_seed(3)
@@ -552,7 +552,7 @@ def test_packed_attention_equals_each_sequence_alone():
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_logprobs_and_entropy_match_full_logits(temperature, monkeypatch):
-    monkeypatch.setattr(model_module, "LOGPROB_CHUNK_TOKENS", 5)
+    monkeypatch.setattr(logprob_head, "LOGPROB_CHUNK_TOKENS", 5)
     model = native_model(seed=1, tie_embeddings=True)
     V = model.args.vocab_size
     gen = torch.Generator().manual_seed(4)
@@ -568,6 +568,33 @@ def test_logprobs_and_entropy_match_full_logits(temperature, monkeypatch):
     torch.testing.assert_close(out.logprobs.double(), expected_lp, atol=1e-5, rtol=0)
     torch.testing.assert_close(out.entropy.double(), expected_entropy, atol=1e-5, rtol=0)
     assert expected_entropy.min() > 0.1  # distributions are not degenerate
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_head_gradient_matches_autograd_of_the_plain_formula(temperature, monkeypatch):
+    """The head's closed-form backward (model/logprob_head.py) against autograd through full
+    logits and log_softmax, float64, for a loss that uses both log-probs and entropy."""
+    monkeypatch.setattr(logprob_head, "LOGPROB_CHUNK_TOKENS", 5)  # chunks straddle rows
+    gen = torch.Generator().manual_seed(9)
+    B, T, D, V = 2, 7, 6, 11
+    hidden = torch.randn(B, T, D, generator=gen, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(V, D, generator=gen, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(V, (B, T), generator=gen)
+    a, b = torch.randn(B, T, generator=gen, dtype=torch.float64), torch.randn(B, T, generator=gen, dtype=torch.float64)
+
+    lp, ent = logprob_head.target_logprobs(hidden, weight, targets, temperature)
+    ((lp * a).sum() + (ent * b).sum()).backward()
+    got = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+
+    log_p = torch.log_softmax(hidden @ weight.T / temperature, dim=-1)
+    want_lp = log_p.gather(-1, targets[..., None]).squeeze(-1)
+    want_ent = -(log_p.exp() * log_p).sum(-1)
+    ((want_lp * a).sum() + (want_ent * b).sum()).backward()
+    torch.testing.assert_close(lp, want_lp, atol=1e-12, rtol=0)
+    torch.testing.assert_close(ent, want_ent, atol=1e-12, rtol=0)
+    torch.testing.assert_close(got[0], hidden.grad, atol=1e-12, rtol=0)
+    torch.testing.assert_close(got[1], weight.grad, atol=1e-12, rtol=0)
 
 
 # --------------------------------------------------------------------------------------------- 8. KV cache (the engine's slots)
@@ -634,7 +661,8 @@ class LargestOutput(TorchDispatchMode):
         return out
 
 
-def test_chunked_logprobs_memory_bound():
+def test_chunked_logprobs_memory_bound(monkeypatch):
+    monkeypatch.setattr(logprob_head, "LOGPROB_CHUNK_TOKENS", 1024)  # 4 chunks
     T, V = 4096, 32768
     args = ModelArgs(arch="llama", vocab_size=V, dim=16, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=8,
                      ffn_dim=32, qk_norm=False, tie_embeddings=False)
