@@ -166,7 +166,7 @@ class Run:
                 temperature=cfg.generation.temperature,
                 max_new_tokens=cfg.generation.max_new_tokens,
                 activation_checkpointing=cfg.model.activation_checkpointing,
-                compile=cfg.model.compile,
+                compile=cfg.model.compile and device.type == "cuda",
                 reference=reference,
             )
         gen = cfg.generation

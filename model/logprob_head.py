@@ -9,17 +9,16 @@ their gradient in one elementwise pass, from the closed forms (s = logits / T, p
     d entropy / d s_j = -p_j (log p_j + entropy)
 
 so neither pass runs the softmax twice, and no autograd graph over `[chunk, V]` tensors exists.
-The two per-chunk functions are plain tensor code; model/parallelize.py may swap in compiled
-copies, which fuse each into one pass over the chunk's logits.
+On CUDA in bf16/fp16 the two per-chunk passes run as Triton kernels (head_kernel.py), each one
+read of the chunk's logits; elsewhere the plain tensor code below, which they must equal.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
-
 import torch
 import torch.nn.functional as F
+
+from model.attention import fast_kernels_serve
 
 # Tokens per chunk: bounds the [chunk, V] logits (and their gradient) held at once.
 LOGPROB_CHUNK_TOKENS = 4096
@@ -58,32 +57,36 @@ def chunk_grad(
     return (grad / temperature).to(logits.dtype)
 
 
-@dataclass
-class HeadKernels:
-    """The per-chunk functions the head runs (`chunk_stats`, `chunk_grad` or compiled copies)."""
+def _kernels(logits_like: torch.Tensor):
+    """The (stats, grad) pair serving tensors like logits_like."""
+    if fast_kernels_serve(logits_like.device, logits_like.dtype):
+        # Imported here: Triton exists only where CUDA does.
+        from model.head_kernel import chunk_grad_triton, chunk_stats_triton
 
-    stats: Callable = chunk_stats
-    grad: Callable = chunk_grad
+        return chunk_stats_triton, chunk_grad_triton
+    return chunk_stats, chunk_grad
 
 
 class _ChunkedHead(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature: float, kernels: HeadKernels):
+    def forward(ctx, hidden, weight, targets, temperature: float):
+        stats, _ = _kernels(hidden)
         logprobs, entropies, log_zs = [], [], []
         for start in range(0, hidden.shape[0], LOGPROB_CHUNK_TOKENS):
             chunk = slice(start, start + LOGPROB_CHUNK_TOKENS)
-            lp, ent, log_z = kernels.stats(F.linear(hidden[chunk], weight), targets[chunk], temperature)
+            lp, ent, log_z = stats(F.linear(hidden[chunk], weight), targets[chunk], temperature)
             logprobs.append(lp)
             entropies.append(ent)
             log_zs.append(log_z)
         entropy = torch.cat(entropies)
         ctx.save_for_backward(hidden, weight, targets, torch.cat(log_zs), entropy)
-        ctx.temperature, ctx.kernels = temperature, kernels
+        ctx.temperature = temperature
         return torch.cat(logprobs), entropy
 
     @staticmethod
     def backward(ctx, grad_logprob, grad_entropy):
         hidden, weight, targets, log_z, entropy = ctx.saved_tensors
+        _, grad_of_logits = _kernels(hidden)
         grad_logprob = torch.zeros_like(log_z) if grad_logprob is None else grad_logprob.to(log_z.dtype)
         grad_entropy = torch.zeros_like(log_z) if grad_entropy is None else grad_entropy.to(log_z.dtype)
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
@@ -92,7 +95,7 @@ class _ChunkedHead(torch.autograd.Function):
         grad_weight = torch.zeros(weight.shape, dtype=wide, device=weight.device) if ctx.needs_input_grad[1] else None
         for start in range(0, hidden.shape[0], LOGPROB_CHUNK_TOKENS):
             chunk = slice(start, start + LOGPROB_CHUNK_TOKENS)
-            grad_logits = ctx.kernels.grad(
+            grad_logits = grad_of_logits(
                 F.linear(hidden[chunk], weight), targets[chunk], log_z[chunk], entropy[chunk],
                 grad_logprob[chunk], grad_entropy[chunk], ctx.temperature,
             )
@@ -102,7 +105,7 @@ class _ChunkedHead(torch.autograd.Function):
                 grad_weight += (grad_logits.t() @ hidden[chunk]).to(wide)
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None
+        return grad_hidden, grad_weight, None, None
 
 
 def target_logprobs(
@@ -110,12 +113,9 @@ def target_logprobs(
     weight: torch.Tensor,
     targets: torch.Tensor,
     temperature: float = 1.0,
-    kernels: HeadKernels | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """hidden [B, T, dim], weight [V, dim], targets [B, T] -> (log softmax(hidden @ weight.T /
     temperature)[targets], entropy), both [B, T] fp32, differentiable w.r.t. hidden and weight."""
     B, T, D = hidden.shape
-    logprobs, entropy = _ChunkedHead.apply(
-        hidden.reshape(B * T, D), weight, targets.reshape(B * T), temperature, kernels or HeadKernels()
-    )
+    logprobs, entropy = _ChunkedHead.apply(hidden.reshape(B * T, D), weight, targets.reshape(B * T), temperature)
     return logprobs.view(B, T), entropy.view(B, T)

@@ -23,7 +23,7 @@ from torch import nn
 
 from model.args import ModelArgs
 from model.attention import SequenceLayout, packed_attention, sequence_layout
-from model.logprob_head import HeadKernels, target_logprobs
+from model.logprob_head import target_logprobs
 
 class RMSNorm(nn.Module):
     """x / rms(x) * weight, normalised in fp32 and cast back before the scale (as HF does)."""
@@ -204,8 +204,6 @@ class Transformer(nn.Module):
         self.output = None if args.tie_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False, dtype=dtype, device=device)
         # Derived from args, not state: kept off the state dict and rebuilt wherever the model lives.
         self._inv_freq = rope_inv_freq(args)
-        # The log-prob head's per-chunk functions (model/parallelize.py may swap in compiled ones).
-        self.head_kernels = HeadKernels()
 
     def fuse_projections(self) -> None:
         """Inference layout: one matmul for each block's q/k/v and one for its SwiGLU gate and up
@@ -263,7 +261,7 @@ class Transformer(nn.Module):
         h = self.norm(h)
         if targets is None:
             return F.linear(h, self.output_weight)
-        logprobs, entropy = target_logprobs(h, self.output_weight, targets, temperature, self.head_kernels)
+        logprobs, entropy = target_logprobs(h, self.output_weight, targets, temperature)
         # Cloned out of the views so that FSDP's pre-backward hook sits on a tensor no in-place op can bypass.
         return TokenLogprobs(logprobs.clone(), entropy.clone())
 

@@ -13,7 +13,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
 
-from model.logprob_head import HeadKernels, chunk_grad, chunk_stats
 from model.model import Transformer
 
 
@@ -49,8 +48,7 @@ def parallelize(
 
 def compile_blocks(model: Transformer) -> None:
     """torch.compile each block's two halves around its attention (norms, projections, RoPE,
-    SwiGLU and the residuals fuse into few kernels) and the log-prob head's per-chunk functions
-    (one pass over each chunk's logits instead of several). Attention itself stays eager: its kernels
+    SwiGLU and the residuals fuse into few kernels). Attention itself stays eager: its kernels
     take per-batch sequence lengths that a compiled graph would specialise on. Shapes are dynamic,
     so micro-batches of any token count share one graph per half."""
     import torch._dynamo.config as dynamo_config
@@ -60,4 +58,3 @@ def compile_blocks(model: Transformer) -> None:
     for block in model.layers:
         block.attention_inputs = torch.compile(block.attention_inputs, dynamic=True)
         block.after_attention = torch.compile(block.after_attention, dynamic=True)
-    model.head_kernels = HeadKernels(torch.compile(chunk_stats, dynamic=True), torch.compile(chunk_grad, dynamic=True))
