@@ -81,6 +81,10 @@ class Normalizers:
     world_size: int  # trainer ranks (bnpo averages over ranks)
 
 
+# LossTerms.stats keys that are sums over tokens or sequences (the one more, "ratio_max", is a max).
+SUMMED_STATS = ("tokens", "clipped", "ratio_sum", "kl_sum", "entropy_sum", "tis_clipped", "tis_weight_sum", "sequences")
+
+
 @dataclass
 class LossTerms:
     """A micro-batch's share of the minibatch loss (scalar, with grad) and its logging statistics.
@@ -179,6 +183,7 @@ def policy_loss(
     seq_ids: torch.Tensor,
     settings: LossSettings,
     norm: Normalizers,
+    num_seqs: int | None = None,
 ) -> LossTerms:
     """One micro-batch's share of the minibatch policy loss. All inputs [B, T].
 
@@ -221,7 +226,8 @@ def policy_loss(
     # Prompt and padding positions hold arbitrary log-probs (gen_logprobs is 0 there); zeroing the
     # differences keeps every exp() finite so they cannot leak inf / NaN into the loss or its gradient.
     log_ratio = torch.where(valid, logprobs - old_logprobs, 0.0)
-    num_seqs = max(int(seq_ids.max()) + 1, 1)
+    # Known to the caller, it spares reading seq_ids back from the device.
+    num_seqs = max(int(seq_ids.max()) + 1 if num_seqs is None else num_seqs, 1)
     seq_tokens = _sequence_sum(valid.to(dtype), seq_ids, num_seqs)
     if s.loss_type == "gspo":
         seq_log_ratio = _sequence_sum(log_ratio, seq_ids, num_seqs) / seq_tokens.clamp(min=1)

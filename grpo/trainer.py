@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from grpo.config import GRPOConfig, OptimizerConfig
 from grpo.episode import EpisodeBatch
-from grpo.loss import LossSettings, Normalizers, policy_loss
+from grpo.loss import SUMMED_STATS, LossSettings, Normalizers, policy_loss
 from grpo.packing import PackedRows, pack_episodes, plan_micro_batches
 from model import Transformer
 from model.parallelize import parallelize
@@ -156,14 +156,20 @@ class Trainer:
             # An empty micro-batch still runs forward/backward: FSDP's collectives need every rank.
             tokens = torch.zeros((1, 1), dtype=torch.long, device=self.device)
             return model(tokens, targets=tokens, temperature=self.temperature)
-        d = self.device
         return model(
-            rows.tokens.to(d),
-            positions=rows.positions.to(d),
-            doc_ids=rows.doc_ids.to(d),
-            targets=rows.targets.to(d),
+            self._to_device(rows.tokens),
+            positions=self._to_device(rows.positions),
+            # Left on the host: the model reads only the sequence layout from it.
+            doc_ids=rows.doc_ids,
+            targets=self._to_device(rows.targets),
             temperature=self.temperature,
         )
+
+    def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A host tensor on the training device, copied without making the host wait for the device."""
+        if self.device.type != "cuda":
+            return tensor.to(self.device)
+        return tensor.pin_memory().to(self.device, non_blocking=True)
 
     def train(self, batch: EpisodeBatch) -> dict[str, float]:
         """One RL step on this rank's scored episodes (whole groups): num_iterations passes over the
@@ -184,9 +190,9 @@ class Trainer:
                     logprobs = self._forward(mb.rows, self.reference).logprobs
                     if mb.rows is not None:
                         mb.ref_logprobs = logprobs
-        totals: dict[str, float] = {}
-        maxima = dict(ratio_max=0.0, diff=0.0)
-        diff_sum = 0.0
+        # Summed and maximal statistics stay on the device until the step ends: reading them per
+        # micro-batch would make the host wait for the device every time.
+        tally = _Tally(self.device)
         # Global minibatch losses and gradient norms of the updates that were applied.
         losses: list[float] = []
         grad_norms: list[float] = []
@@ -196,15 +202,15 @@ class Trainer:
         norms = [self._normalizers(micro_batches) for micro_batches in minibatches]
         for iteration in range(self.grpo.num_iterations):
             for m, (micro_batches, norm) in enumerate(zip(minibatches, norms)):
-                local_loss = 0.0
+                local_loss = torch.zeros((), dtype=torch.float64, device=self.device)
                 for mb in micro_batches:
                     out = self._forward(mb.rows)
                     if mb.rows is None:
                         (out.logprobs.sum() * 0.0).backward()
                         continue
                     rows = mb.rows
-                    mask = rows.loss_mask.to(self.device)
-                    gen = rows.gen_logprobs.to(self.device)
+                    mask = self._to_device(rows.loss_mask)
+                    gen = self._to_device(rows.gen_logprobs)
                     old = mb.old_logprobs if recompute_old else out.logprobs.detach()
                     terms = policy_loss(
                         out.logprobs,
@@ -212,23 +218,24 @@ class Trainer:
                         gen,
                         mb.ref_logprobs,
                         out.entropy,
-                        rows.advantages.to(self.device),
+                        self._to_device(rows.advantages),
                         mask,
-                        rows.doc_ids.to(self.device),
+                        self._to_device(rows.doc_ids),
                         self.loss_settings,
                         norm,
+                        num_seqs=int(rows.doc_ids.max()) + 1,
                     )
                     (terms.loss * norm.world_size).backward()
-                    local_loss += float(terms.loss.detach())
+                    local_loss += terms.loss.detach()
                     for key, value in terms.stats.items():
                         if key == "ratio_max":
-                            maxima["ratio_max"] = max(maxima["ratio_max"], float(value))
+                            tally.max("ratio_max", value)
                         else:
-                            totals[key] = totals.get(key, 0.0) + float(value)
+                            tally.add(key, value)
                     if iteration == 0:
                         diff = (old - gen).abs() * mask
-                        diff_sum += float(diff.sum())
-                        maxima["diff"] = max(maxima["diff"], float(diff.max()))
+                        tally.add("diff_sum", diff.sum())
+                        tally.max("diff_max", diff.max())
                 loss, grad_norm, reason = self._update(local_loss)
                 if reason:
                     skipped += 1
@@ -240,10 +247,9 @@ class Trainer:
         lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
 
-        keys = sorted(totals)
-        summed = dict(zip(keys, self._all_reduce([totals[k] for k in keys]))) if keys else {}
-        (diff_total,) = self._all_reduce([diff_sum])
-        ratio_max, diff_max = self._all_reduce(list(maxima.values()), op=dist.ReduceOp.MAX)
+        summed, maxima = tally.global_values(self.group)
+        diff_total = summed.get("diff_sum", 0.0)
+        ratio_max, diff_max = maxima.get("ratio_max", 0.0), maxima.get("diff_max", 0.0)
         tokens = max(summed.get("tokens", 0.0), 1.0)
         metrics = {
             "loss/policy": _mean(losses),
@@ -281,13 +287,15 @@ class Trainer:
             world_size=self.mesh.size(),
         )
 
-    def _update(self, local_loss: float) -> tuple[float, float, str]:
+    def _update(self, local_loss: torch.Tensor) -> tuple[float, float, str]:
         """Apply one minibatch's accumulated gradients, unless its loss or their global norm is
         non-finite. Returns (global minibatch loss, global gradient norm, "" or why
         the update was skipped); every trainer rank returns the same. Collective."""
         # The loss is this rank's share: summing the shares makes it global, and a NaN or inf on any
         # rank then reaches every rank, so all decide alike (the gradient norm is global already).
-        (loss,) = self._all_reduce([local_loss])
+        loss = local_loss.clone()
+        dist.all_reduce(loss, group=self.group)
+        loss = float(loss)
         if not math.isfinite(loss):
             self.optimizer.zero_grad(set_to_none=True)
             return loss, float("nan"), f"non-finite loss ({loss})"
@@ -307,6 +315,34 @@ class Trainer:
         # Also when skipped: those gradients (NaN, or scaled by a NaN clip factor) must not reach the next update.
         self.optimizer.zero_grad(set_to_none=True)
         return norm
+
+
+class _Tally:
+    """Per-step statistics as device scalars: sums and maxima, reduced over ranks once at the end."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.sums: dict[str, torch.Tensor] = {}
+        self.maxima: dict[str, torch.Tensor] = {}
+
+    def add(self, key: str, value: torch.Tensor) -> None:
+        value = value.detach().double()
+        self.sums[key] = self.sums[key] + value if key in self.sums else value
+
+    def max(self, key: str, value: torch.Tensor) -> None:
+        value = value.detach().double()
+        self.maxima[key] = torch.maximum(self.maxima[key], value) if key in self.maxima else value
+
+    def global_values(self, group) -> tuple[dict[str, float], dict[str, float]]:
+        """(sums, maxima) over every rank of group. Collective: every rank must have tallied the
+        same keys (a rank with no micro-batches has none, and then takes part with zeros)."""
+        keys = (*SUMMED_STATS, "diff_sum")
+        zero = torch.zeros((), dtype=torch.float64, device=self.device)
+        sums = torch.stack([self.sums.get(k, zero) for k in keys])
+        maxima = torch.stack([self.maxima.get(k, zero) for k in ("ratio_max", "diff_max")])
+        dist.all_reduce(sums, group=group)
+        dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)
+        return dict(zip(keys, sums.tolist())), dict(zip(("ratio_max", "diff_max"), maxima.tolist()))
 
 
 def _mean(values: list[float]) -> float:

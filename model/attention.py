@@ -39,7 +39,8 @@ class SequenceLayout:
 def sequence_layout(doc_ids: torch.Tensor | None, shape: tuple[int, int], device: torch.device) -> SequenceLayout:
     """The layout of rows [B, T] flattened row after row: each maximal run of equal doc_ids [B, T]
     within a row is one sequence (padding runs included: they attend among themselves and carry no
-    loss). doc_ids None: one sequence per row. Reads doc_ids on the host once."""
+    loss). doc_ids None: one sequence per row. Reads doc_ids on the host once (doc_ids may
+    already be there: then the device is not waited for)."""
     B, T = shape
     if doc_ids is None:
         bounds = list(range(0, B * T + 1, T))
@@ -50,7 +51,10 @@ def sequence_layout(doc_ids: torch.Tensor | None, shape: tuple[int, int], device
         starts[::T] = True  # a row always starts a sequence
         bounds = starts.nonzero().flatten().tolist() + [B * T]
     max_len = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
-    cu_seqlens = torch.tensor(bounds, dtype=torch.int32, device=device)
+    cu_seqlens = torch.tensor(bounds, dtype=torch.int32)
+    if device.type == "cuda":
+        # Pinned and asynchronous: a pageable copy would wait for the work already queued.
+        cu_seqlens = cu_seqlens.pin_memory().to(device, non_blocking=True)
     return SequenceLayout(cu_seqlens, bounds, max_len)
 
 
