@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model.args import ModelArgs
-from model.attention import SequenceLayout, packed_attention, sequence_layout, uses_flash
+from model.attention import SequenceLayout, packed_attention, sequence_layout
 from model.logprob_head import target_logprobs
 
 class RMSNorm(nn.Module):
@@ -104,11 +104,6 @@ class Attention(nn.Module):
         widths = [self.n_heads * self.head_dim, kv_width, kv_width]
         if self.wqkv is not None:
             q, k, v = F.linear(x, self.wqkv, self.bqkv).split(widths, -1)
-        elif uses_flash(x):
-            # One matmul instead of three (and two instead of six in backward), as the engine's
-            # fused layout does; the concatenation is a copy of the weights, small beside the matmul.
-            weight, bias = _cat_weights(self.wq, self.wk, self.wv), _cat_biases(self.wq, self.wk, self.wv)
-            q, k, v = F.linear(x, weight, bias).split(widths, -1)
         else:
             q, k, v = self.wq(x), self.wk(x), self.wv(x)
         q = q.reshape(B, T, self.n_heads, self.head_dim)
@@ -138,19 +133,9 @@ class FeedForward(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.w13 is not None:
             gate, up = F.linear(x, self.w13).chunk(2, dim=-1)
-        elif uses_flash(x):
-            gate, up = F.linear(x, _cat_weights(self.w1, self.w3)).chunk(2, dim=-1)  # see Attention.qkv
         else:
             gate, up = self.w1(x), self.w3(x)
         return self.w2(F.silu(gate) * up)
-
-
-def _cat_weights(*linears: nn.Linear) -> torch.Tensor:
-    return torch.cat([m.weight for m in linears])
-
-
-def _cat_biases(*linears: nn.Linear) -> torch.Tensor | None:
-    return None if linears[0].bias is None else torch.cat([m.bias for m in linears])
 
 
 def _fuse(*linears: nn.Linear) -> torch.Tensor:
