@@ -12,8 +12,9 @@ module-level callables. Scorer workers import this module to run them, so at mod
 imports only the standard library; ``math_accuracy`` imports ``math_verify`` on first use.
 
 Built-ins (see ``REWARDS``): ``digit_match`` (the digit tasks), ``math_accuracy`` (final-answer
-equivalence for math word problems), ``format_reward`` (regex layout check) and
-``length_penalty`` (a non-positive length shaping term).
+equivalence for math word problems), ``format_reward`` (regex layout check),
+``length_penalty`` (a non-positive length shaping term) and ``reasoning_gym`` (a reasoning-gym
+dataset's own ``score_answer``; imports ``reasoning_gym`` on first use).
 """
 
 import asyncio
@@ -308,11 +309,43 @@ def length_penalty(prompt: str, completion: str, answer: str, metadata: dict) ->
     return -float(scale) * min(1.0, len(completion) / limit) + 0.0
 
 
+_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+
+
+def reasoning_gym(prompt: str, completion: str, answer: str, metadata: dict) -> float:
+    """reasoning-gym's own verifier: the prompt's dataset (``data.path = "reasoning_gym:NAME"``)
+    scores the completion with its ``score_answer``.
+
+    The answer handed over is the text of the last ``<answer>...</answer>`` in the completion (the
+    reasoning-gym convention); without one, the final answer as ``math_accuracy`` reads it (boxed,
+    ``####``, "the answer is ...", the last number); failing that, the whole completion, stripped.
+    """
+    spec = (metadata or {}).get("reasoning_gym")
+    if spec is None:
+        raise ValueError("the reasoning_gym reward scores prompts from data.path = 'reasoning_gym:NAME' only")
+    tagged = _ANSWER_TAG.findall(completion)
+    if tagged:
+        candidate = tagged[-1].strip()
+    else:
+        candidate = extract_answer(completion) or completion.strip()
+    dataset = _gym_dataset(spec["dataset"], tuple(sorted(spec["config"].items())))
+    return float(dataset.score_answer(answer=candidate, entry=spec["entry"]))
+
+
+@functools.cache
+def _gym_dataset(name: str, options: tuple):
+    """A dataset instance to score with (score_answer reads only its config, not its problems)."""
+    from reasoning_gym import create_dataset
+
+    return create_dataset(name, size=1, seed=0, **dict(options))
+
+
 REWARDS: dict[str, RewardFn] = {
     "digit_match": digit_match,
     "math_accuracy": math_accuracy,
     "format_reward": format_reward,
     "length_penalty": length_penalty,
+    "reasoning_gym": reasoning_gym,
 }
 
 

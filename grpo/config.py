@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from grpo.gym import check_gym_config, is_gym_path
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:
@@ -73,8 +75,10 @@ class DataConfig:
     digits_min: int = 4
     # longest digit string of the built-in task
     digits_max: int = 4
-    # JSONL / Parquet file or folder of prompts (needs model.path for the tokenizer); "" = the built-in task
+    # JSONL / Parquet file or folder of prompts, or "reasoning_gym:NAME" for a reasoning-gym dataset (needs model.path for the tokenizer); "" = the built-in task
     path: str = ""
+    # with data.path = "reasoning_gym:NAME": that dataset's config keys, e.g. {min_digits = 1, max_digits = 2}
+    reasoning_gym: dict = field(default_factory=dict)
     # record field holding the prompt text
     prompt_field: str = "question"
     # record field holding the reference answer (passed to the reward functions)
@@ -468,7 +472,14 @@ def validate_config(cfg: Config, world_size: int) -> None:
         raise ConfigError(f"model.path = {m.path!r} does not exist")
     if m.path and not (Path(m.path) / "config.json").is_file():
         raise ConfigError(f"model.path = {m.path!r} has no config.json (expected an HF checkpoint folder)")
-    if cfg.data.path and not Path(cfg.data.path).exists():
+    if is_gym_path(cfg.data.path):
+        try:
+            check_gym_config(cfg.data.path, cfg.data.reasoning_gym)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+    elif cfg.data.reasoning_gym:
+        raise ConfigError("data.reasoning_gym is set but data.path does not name a reasoning-gym dataset ('reasoning_gym:NAME')")
+    elif cfg.data.path and not Path(cfg.data.path).exists():
         raise ConfigError(f"data.path = {cfg.data.path!r} does not exist")
     if cfg.data.path and cfg.grpo.dynamic_sampling:
         raise ConfigError(
@@ -694,6 +705,8 @@ def _toml_value(value: Any) -> str:
         return '"' + "".join(_toml_char(c) for c in value) + '"'
     if isinstance(value, list):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{_toml_value(str(k))} = {_toml_value(v)}" for k, v in value.items()) + "}"
     raise TypeError(f"cannot write {value!r} as TOML")
 
 

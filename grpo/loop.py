@@ -30,6 +30,7 @@ from grpo.engine import NativeEngine, SamplingParams
 from grpo.episode import EpisodeBatch, compute_advantages, concat_episodes, overlong_penalty, zero_variance_groups
 from grpo.faults import GracefulStop, check_free_disk, restart_count, waiting_for
 from grpo.flops import mfu, peak_flops
+from grpo.gym import GymTask, is_gym_path
 from grpo.metrics import MetricsLogger, reduce_across
 from grpo.report import render_report
 from grpo.roles import Roles
@@ -123,7 +124,7 @@ class Run:
         if cfg.model.path:
             try:
                 self.tokenizer = load_hf_tokenizer(cfg.model.path)
-                self.task = FileTask(cfg, self.tokenizer)
+                self.task = GymTask(cfg, self.tokenizer) if is_gym_path(cfg.data.path) else FileTask(cfg, self.tokenizer)
             except (ValueError, FileNotFoundError) as error:
                 raise DataError(str(error)) from None
             self.args = args = ModelArgs.from_hf_dir(cfg.model.path)
