@@ -183,7 +183,7 @@ def test_load_builtins():
         assert load_reward(name) is fn
         assert load_reward(f"rewards:{name}") is fn
     assert "digit_match" in REWARDS
-    with pytest.raises(RewardError, match="built-ins: digit_match, format_reward, length_penalty, math_accuracy"):
+    with pytest.raises(RewardError, match="built-ins: digit_match, format_reward, length_penalty, math_accuracy, reasoning_gym"):
         load_reward("math_acc")
 
 

@@ -121,7 +121,7 @@ def test_hanging_function_times_out_and_workers_die():
         (f"{FIXTURES}:two_args", f"reward function '{FIXTURES}:two_args': signature (prompt: str, completion: str) "
                                  "-> float does not accept (prompt, completion, answer, metadata)"),
         ("digit_matc", "unknown reward function 'digit_matc'; built-ins: digit_match, format_reward, "
-                       "length_penalty, math_accuracy (or give 'module:function')"),
+                       "length_penalty, math_accuracy, reasoning_gym (or give 'module:function')"),
         (":f", "reward function ':f': expected 'module:function'"),
     ],
 )
