@@ -10,8 +10,8 @@
 On CUDA in bf16/fp16, training and prefill run PyTorch's flash-attention kernel in its
 variable-length form (`torch.nn.attention.varlen`, `cu_seqlens`, forward and backward) and decode
 runs our Triton kernel (decode_kernel.py), which reads exactly the live keys once per KV head.
-Elsewhere (CPU, fp32) every sequence runs its own `scaled_dot_product_attention` call: the
-reference path the tests use.
+Elsewhere (CPU, fp32) the sequences of each length run as one batched, causal
+`scaled_dot_product_attention` call: the reference path the tests use.
 """
 
 from __future__ import annotations
@@ -88,12 +88,21 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
     if not uses_flash(q) and len(layout.bounds) == B + 1 and layout.max_len == T:
         return _causal(q, k, v)  # one sequence per row: one batched call
     q, k, v = q.reshape(B * T, H, D), k.reshape(B * T, -1, D), v.reshape(B * T, -1, D)
-    if uses_flash(q):
-        out = _varlen_causal(q, k, v, layout)
-    else:
-        pairs = zip(layout.bounds[:-1], layout.bounds[1:])
-        out = torch.cat([_causal(q[None, a:b], k[None, a:b], v[None, a:b])[0] for a, b in pairs])
+    out = _varlen_causal(q, k, v, layout) if uses_flash(q) else _by_length(q, k, v, layout.bounds)
     return out.view(B, T, H, D)
+
+
+def _by_length(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: list[int]) -> torch.Tensor:
+    """The reference path: q [N, H, D], k/v [N, Hkv, D] -> [N, H, D], the sequences of each length
+    gathered into one batched SDPA call (a packed batch of short episodes has few distinct lengths)."""
+    starts_by_length: dict[int, list[int]] = {}
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        starts_by_length.setdefault(b - a, []).append(a)
+    out = torch.empty_like(q)
+    for length, starts in starts_by_length.items():
+        rows = (torch.tensor(starts)[:, None] + torch.arange(length)[None, :]).to(q.device)  # [n, length]
+        out[rows] = _causal(q[rows], k[rows], v[rows])
+    return out
 
 
 def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -129,8 +138,7 @@ def varlen_prefill(
     """
     if uses_flash(q):
         return _flash(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, True)
-    bounds = cu_seqlens.tolist()
-    return torch.cat([_causal(q[None, a:b], k[None, a:b], v[None, a:b])[0] for a, b in zip(bounds[:-1], bounds[1:])])
+    return _by_length(q, k, v, cu_seqlens.tolist())
 
 
 def slot_decode(
