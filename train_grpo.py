@@ -33,9 +33,11 @@ from grpo.faults import (
     restart_count,
 )
 from grpo.lock import OutputLock, refusal
-from grpo.loop import DataError, Run, RunAborted, TrainingDiverged, reduce, run_loop
+from grpo.loop import Run, RunAborted, TrainingDiverged, reduce
 from grpo.roles import build_roles
+from grpo.schedule import run_loop
 from grpo.scorer import Scorer
+from grpo.tasks import DataError
 from model import CheckpointError, UnsupportedModelError
 from rewards import RewardError
 

@@ -1,0 +1,139 @@
+"""The run's schedule: weight sync, evaluation, the steps, checkpoints and exports, and how a run
+ends (done, stopped by a signal, or diverged)."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+
+from grpo.checkpoint import checkpoint_root, load_checkpoint, save_checkpoint
+from grpo.config import Config
+from grpo.faults import GracefulStop, restart_count
+from grpo.loop import Run, TrainingDiverged, reduce
+from grpo.metrics import MetricsLogger
+from grpo.report import render_report
+
+
+def run_loop(cfg: Config, job: Run, resume: Path | None = None, stop: GracefulStop | None = None) -> None:
+    """Sync weights, evaluate, then training steps with checkpoints, exports and a final evaluation.
+
+    Every step ends at a boundary all ranks agree on: whether a stop signal arrived on any rank and
+    whether the step skipped an update. A stop saves a checkpoint and returns; training.max_bad_steps
+    bad steps in a row save one and raise TrainingDiverged.
+    """
+    start = time.perf_counter()
+    roles = job.roles
+    is_leader = roles.rank == roles.leader
+    root = checkpoint_root(cfg.job.output_dir)
+    start_step, bad_steps, evals = 0, 0, {}
+    if resume is not None:
+        state = load_checkpoint(resume, job.trainer, job.trainer_group)
+        start_step, bad_steps, evals = state["step"], state["bad_steps"], state["evals"]
+        if is_leader:
+            _announce_resume(cfg, resume, state)
+    logger = MetricsLogger(
+        cfg.job.output_dir, is_leader, cfg.metrics, cfg.training.steps, start_step, dataclasses.asdict(cfg)
+    )
+    if is_leader:
+        _announce_mfu(job)
+
+    def save(step: int) -> Path:
+        run_state = {"step": step, "policy_version": step, "data_position": _data_position(cfg, step)}
+        run_state.update(bad_steps=bad_steps, evals=evals)
+        with job.waiting("the checkpoint save on every rank"):
+            return save_checkpoint(
+                root, step, job.trainer, job.trainer_group, run_state, is_leader, cfg.checkpoint.keep
+            )
+
+    with logger:
+        job.sync_weights(version=start_step)
+        if start_step == 0:
+            first = job.evaluate()
+            evals = {"first": first, "last": first}
+            logger.log(0, first)
+        elif start_step >= cfg.training.steps and is_leader:
+            print(f"nothing to do: {resume} is at step {start_step} of training.steps = {cfg.training.steps}", flush=True)
+        for step in range(start_step + 1, cfg.training.steps + 1):
+            metrics, samples = job.step(step, with_samples=_every(cfg.metrics.samples_every, step))
+            if samples:
+                logger.log_samples(step, samples)
+            last_step = step == cfg.training.steps
+            if last_step or _every(cfg.eval.every, step):
+                evals["last"] = job.evaluate()
+                metrics.update(evals["last"])
+            with job.waiting("the step boundary on every rank"):
+                boundary = reduce(
+                    {"signal": float(stop.signal_number if stop else 0), "skipped": metrics.get("train/skipped_updates", 0.0)},
+                    None,
+                    dist.ReduceOp.MAX,
+                )
+            bad_steps = bad_steps + 1 if boundary["skipped"] else 0
+            logger.log(step, metrics)
+            if boundary["skipped"] and is_leader:
+                logger.say(f"step {step}: update skipped: {job.trainer.last_skip_reason}", file=sys.stderr)
+            if last_step or _every(cfg.checkpoint.export_hf_every, step):
+                job.export_hf(Path(cfg.job.output_dir) / "hf" / f"step_{step}")
+            diverged = bad_steps >= cfg.training.max_bad_steps
+            signal_number = int(boundary["signal"])
+            if last_step or _every(cfg.checkpoint.every, step) or diverged or signal_number:
+                saved = save(step)
+            if diverged:
+                raise TrainingDiverged(
+                    f"{bad_steps} steps in a row (up to step {step}) had a non-finite loss or gradient norm "
+                    f"(training.max_bad_steps = {cfg.training.max_bad_steps}); their updates were skipped, "
+                    f"so {saved} holds the last good weights"
+                )
+            if signal_number:
+                if is_leader:
+                    logger.say(
+                        f"stopped by {GracefulStop.name(signal_number)} after step {step}: checkpoint {saved}; "
+                        "run the same command to resume"
+                    )
+                return
+    if is_leader and evals:
+        first, last = evals["first"], evals["last"]
+        print(
+            f"done: {cfg.training.steps} steps in {time.perf_counter() - start:.0f} s "
+            f"({cfg.parallelism.mode}, {len(roles.generator_ranks)} generator / {len(roles.trainer_ranks)} trainer ranks); "
+            f"held-out reward {first['eval/reward_mean']:.3f} -> {last['eval/reward_mean']:.3f} "
+            f"({'greedy' if cfg.eval.samples == 1 else f'{cfg.eval.samples} samples each'}, "
+            f"{len(job.task.eval_prompts)} prompts); metrics: {logger.path}",
+            flush=True,
+        )
+        print(f"report: {render_report(cfg.job.output_dir)} (python -m grpo.report {cfg.job.output_dir})", flush=True)
+
+
+def _every(period: int, step: int) -> bool:
+    """Whether a `period`-step cadence (0 = off) falls on `step`."""
+    return bool(period) and step % period == 0
+
+
+def _announce_resume(cfg: Config, resume: Path, state: dict) -> None:
+    restarted = f" (torchrun restart {restart_count()})" if restart_count() else ""
+    print(f"resuming from {resume} at step {state['step']}{restarted}", flush=True)
+    if state["data_position"] != _data_position(cfg, state["step"]):
+        print(
+            f"warning: the prompt stream differs from the checkpoint's ({state['data_position']}); "
+            "the remaining steps see other prompts than the original run would have",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def _announce_mfu(job: Run) -> None:
+    if job.peak is not None:
+        print(f"MFU (throughput/mfu) is measured against the {job.peak[1]} of each trainer rank", flush=True)
+    else:
+        print(
+            f"no MFU: no peak FLOP/s is known for {job.device.type} in {job.dtype} (set metrics.peak_tflops)",
+            flush=True,
+        )
+
+
+def _data_position(cfg: Config, step: int) -> dict:
+    """Where the prompt stream stands after `step`: prompts are drawn as a function of (seed, step)."""
+    return {"step": step, "seed": cfg.job.seed, "prompts_per_step": cfg.data.prompts_per_step, "path": cfg.data.path}
