@@ -67,7 +67,7 @@ def trl_peer(opts) -> dict:
 
     import rewards
     from grpo.config import load_config
-    from grpo.gym import GymTask
+    from grpo.tasks import GymTask
 
     cfg = load_config(["--config", str(config_path(opts)), f"--model.path={opts.model}", f"--training.steps={opts.steps}"],
                       world_size=1)

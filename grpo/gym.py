@@ -1,10 +1,9 @@
 """reasoning-gym datasets as a prompt source: `data.path = "reasoning_gym:NAME"`, with the
 dataset's own config keys in `data.reasoning_gym` (e.g. `{min_digits = 1, max_digits = 2}`).
 
-Problems are generated offline and deterministically: training prompts from `job.seed`, held-out
-prompts from a seed of their own, and any training problem whose question is also held out is
-dropped, so held-out prompts are never trained on. Each prompt carries its reasoning-gym entry in
-its metadata, which the `reasoning_gym` reward (rewards.py) hands to the dataset's `score_answer`.
+Problems are generated offline and deterministically (`gym_records`; grpo/tasks.py turns them
+into a run's prompts). Each prompt carries its reasoning-gym entry in its metadata, which the
+`reasoning_gym` reward (rewards.py) hands to the dataset's `score_answer`.
 """
 
 from __future__ import annotations
@@ -12,9 +11,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 from typing import Any
-
-from grpo.data import Prompt
-from grpo.datasets import PromptDataset
 
 PREFIX = "reasoning_gym:"
 # The held-out problems' seed is job.seed + this: a generator stream of its own.
@@ -72,33 +68,3 @@ def gym_records(name: str, options: dict[str, Any], size: int, seed: int) -> lis
             "source": f"{PREFIX}{name}[{i}] (seed {seed})",
         })
     return records
-
-
-class GymTask:
-    """reasoning-gym problems rendered with the checkpoint's tokenizer, with DigitTask's interface:
-    `train_prompts(step, count)` for RL steps 1, 2, ... and `eval_prompts` (held out)."""
-
-    def __init__(self, cfg: Any, tokenizer: Any):
-        d = cfg.data
-        name = d.path[len(PREFIX) :]
-        thinking = {"default": None, "on": True, "off": False}[d.enable_thinking]
-        render = dict(
-            max_prompt_tokens=d.max_prompt_tokens, system_prompt=d.system_prompt, template=d.prompt_template,
-            enable_thinking=thinking, too_long=d.too_long, seed=cfg.job.seed,
-        )
-        held_out = gym_records(name, d.reasoning_gym, cfg.eval.num_prompts, cfg.job.seed + HELD_OUT_SEED_OFFSET)
-        questions = {r["text"] for r in held_out}
-        train = [r for r in gym_records(name, d.reasoning_gym, cfg.training.steps * d.prompts_per_step, cfg.job.seed)
-                 if r["text"] not in questions]
-        if not train:
-            raise ValueError(f"every training problem of {d.path!r} is also a held-out one; widen data.reasoning_gym")
-        self.dataset = PromptDataset(train, tokenizer, **render)
-        # Negative indices: held-out prompts key their sampling apart from every training prompt.
-        self.eval_prompts = [
-            dataclasses.replace(p, index=-(i + 1))
-            for i, p in enumerate(PromptDataset(held_out, tokenizer, **render).prompts)
-        ]
-        self.max_prompt_tokens = d.max_prompt_tokens
-
-    def train_prompts(self, step: int, count: int, round_index: int = 0) -> list[Prompt]:
-        return self.dataset.batch(step - 1, count, round_index)

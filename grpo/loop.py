@@ -22,12 +22,11 @@ from grpo.engine import NativeEngine, SamplingParams
 from grpo.episode import EpisodeBatch, compute_advantages, concat_episodes, overlong_penalty, zero_variance_groups
 from grpo.faults import check_free_disk, waiting_for
 from grpo.flops import mfu, peak_flops
-from grpo.gym import GymTask, is_gym_path
 from grpo.metrics import reduce_across
 from grpo.roles import Roles
 from grpo.rollout import generate_episodes, score_episodes
 from grpo.scorer import Scorer
-from grpo.tasks import DataError, FileTask
+from grpo.tasks import DataError, prompt_source
 from grpo.trainer import Trainer
 from grpo.transport import exchange_episodes
 from grpo.weight_sync import WeightSync
@@ -84,7 +83,7 @@ class Run:
         if cfg.model.path:
             try:
                 self.tokenizer = load_hf_tokenizer(cfg.model.path)
-                self.task = GymTask(cfg, self.tokenizer) if is_gym_path(cfg.data.path) else FileTask(cfg, self.tokenizer)
+                self.task = prompt_source(cfg, self.tokenizer)
             except (ValueError, FileNotFoundError) as error:
                 raise DataError(str(error)) from None
             self.args = args = ModelArgs.from_hf_dir(cfg.model.path)

@@ -11,7 +11,8 @@ import pytest
 
 import rewards
 from grpo.config import ConfigError, load_config
-from grpo.gym import HELD_OUT_SEED_OFFSET, GymTask, check_gym_config, gym_records
+from grpo.gym import HELD_OUT_SEED_OFFSET, check_gym_config, gym_records
+from grpo.tasks import GymTask
 
 reasoning_gym = pytest.importorskip("reasoning_gym")
 
