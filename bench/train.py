@@ -120,14 +120,22 @@ def timed(step, reps: int, device: torch.device) -> tuple[float, float]:
 
 def profile(step, path: Path) -> None:
     """One more step under the profiler: the kernels by device time, to path."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
     with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
         step()
         torch.cuda.synchronize()
+        wall = time.perf_counter() - start
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(prof.key_averages().table(sort_by="cuda_time_total", row_limit=60, max_name_column_width=90))
+    averages = prof.key_averages()
+    # Kernels only (not the CPU ops that launched them): the device's busy time against the wall.
+    busy = sum(e.self_device_time_total for e in averages if e.device_type == DeviceType.CUDA) / 1e6
+    header = f"wall {wall * 1e3:.1f} ms under the profiler, device busy {busy * 1e3:.1f} ms\n"
+    path.write_text(header + averages.table(sort_by="self_cuda_time_total", row_limit=80, max_name_column_width=90))
+    prof.export_chrome_trace(str(path.with_suffix(".json")))
 
 
 def tandem_step(args: ModelArgs, device, batch: EpisodeBatch, micro_batch_tokens: int, checkpointing: bool, compile: bool):

@@ -305,15 +305,25 @@ class Trainer:
     def _optimizer_step(self) -> float:
         """Clip and apply the accumulated gradients, or only discard them when their global norm is
         non-finite; returns that norm."""
-        max_norm = self.optim.max_grad_norm if self.optim.max_grad_norm > 0 else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
-        norm = float(norm)
+        norm = float(self._clip_gradients())
         if math.isfinite(norm):
             self.optimizer.step()
         # Also when skipped: those gradients (NaN, or scaled by a NaN clip factor) must not reach the next update.
         self.optimizer.zero_grad(set_to_none=True)
+        return norm
+
+    def _clip_gradients(self) -> torch.Tensor:
+        """The global L2 norm of the gradients (fp32 scalar), after scaling them by
+        min(1, max_grad_norm / (norm + 1e-6)) as `clip_grad_norm_` does. Computed on each rank's
+        local shards with one sum over the ranks: through DTensor, each of the hundreds of
+        per-tensor operations pays a dispatch on the host (about 5 ms a step at 0.6B)."""
+        grads = [_local(p.grad) for p in self.model.parameters() if p.grad is not None]
+        squares = torch.stack(torch._foreach_norm(grads)).float().square().sum()
+        if dist.get_world_size(self.group) > 1:
+            dist.all_reduce(squares, group=self.group)
+        norm = squares.sqrt()
+        if self.optim.max_grad_norm > 0:
+            torch._foreach_mul_(grads, torch.clamp(self.optim.max_grad_norm / (norm + 1e-6), max=1.0))
         return norm
 
 
@@ -343,6 +353,11 @@ class _Tally:
         dist.all_reduce(sums, group=group)
         dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)
         return dict(zip(keys, sums.tolist())), dict(zip(("ratio_max", "diff_max"), maxima.tolist()))
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (its storage, not a copy); a plain tensor as it is."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _mean(values: list[float]) -> float:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.varlen import varlen_attn
 
 
 @dataclass
@@ -68,17 +69,24 @@ def uses_flash(t: torch.Tensor) -> bool:
     return fast_kernels_serve(t.device, t.dtype)
 
 
-def _varlen_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SequenceLayout) -> torch.Tensor:
-    """Flash varlen attention with autograd: q [N, H, D], k/v [N, Hkv, D] -> [N, H, D]."""
-    from torch.nn.attention.varlen import varlen_attn
-
+def _varlen_signature() -> tuple[dict, bool]:
+    """(the causal keyword of `varlen_attn`, whether it takes `enable_gqa`), read once at import
+    so that a compiled block traces no `inspect` call."""
     params = inspect.signature(varlen_attn).parameters
     # torch 2.10 spells causal `is_causal`; later releases take a (left, right) window.
     causal = dict(window_size=(-1, 0)) if "window_size" in params else dict(is_causal=True)
+    return causal, "enable_gqa" in params
+
+
+_VARLEN_CAUSAL, _VARLEN_TAKES_GQA = _varlen_signature()
+
+
+def _varlen_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SequenceLayout) -> torch.Tensor:
+    """Flash varlen attention with autograd: q [N, H, D], k/v [N, Hkv, D] -> [N, H, D]."""
     # The flash kernel serves grouped K/V heads natively; releases without the flag pass them as is.
-    extra = dict(enable_gqa=q.shape[1] != k.shape[1]) if "enable_gqa" in params else {}
+    gqa = dict(enable_gqa=q.shape[1] != k.shape[1]) if _VARLEN_TAKES_GQA else {}
     cu, n = layout.cu_seqlens, layout.max_len
-    return varlen_attn(q, k, v, cu, cu, n, n, **causal, **extra)
+    return varlen_attn(q, k, v, cu, cu, n, n, **_VARLEN_CAUSAL, **gqa)
 
 
 def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SequenceLayout) -> torch.Tensor:

@@ -71,6 +71,9 @@ def _packed(lengths: list[int], seed: int):
 
 
 def test_compiled_halves_and_head_match_eager_for_any_token_count():
+    from torch._dynamo.utils import counters
+
+    counters.clear()
     eager, compiled = _model(), _model()
     compile_blocks(compiled)
     for seed, lengths in enumerate(([5, 40, 1, 17], [90, 3], [33] * 5)):  # three token counts, one graph
@@ -85,6 +88,8 @@ def test_compiled_halves_and_head_match_eager_for_any_token_count():
         torch.testing.assert_close(lp_c, lp_e, atol=5e-2, rtol=0)
         torch.testing.assert_close(ent_c, ent_e, atol=5e-2, rtol=0)
         torch.testing.assert_close(g_c.float(), g_e.float(), atol=1e-3, rtol=5e-2)
+    # Each half is one graph: nothing inside breaks it.
+    assert not counters["graph_break"], dict(counters["graph_break"])
 
 
 @pytest.fixture(scope="module")
