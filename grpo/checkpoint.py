@@ -24,6 +24,7 @@ import re
 import shutil
 import sys
 from collections.abc import Callable
+from dataclasses import fields
 from pathlib import Path
 
 import torch
@@ -32,6 +33,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
+from grpo.episode import EpisodeBatch
 from grpo.faults import restart_count
 from grpo.trainer import Trainer
 from model import ModelArgs
@@ -187,8 +189,10 @@ def save_checkpoint(
     run_state: dict,
     is_writer: bool,
     keep: int,
+    inflight: dict[int, tuple[EpisodeBatch | None, float]] | None = None,
 ) -> Path:
     """Write checkpoint step_`step` under `root` and keep the newest `keep` (0 = all).
+    inflight: this rank's generation batches not yet trained on (async schedule), by step.
     Collective over every rank of the launch; returns the checkpoint's folder."""
     final, tmp = root / f"step_{step}", root / f".tmp-step_{step}"
     if is_writer:
@@ -198,6 +202,10 @@ def save_checkpoint(
     if trainer is not None:
         dcp.save({_TRAINER: _TrainerState(trainer)}, checkpoint_id=str(tmp / _TRAINER), process_group=trainer_group)
     torch.save(_rng_states(), tmp / "rng" / f"rank_{dist.get_rank()}.pt")
+    if inflight is not None:
+        batches = {step: (None if b is None else {f.name: getattr(b, f.name) for f in fields(b)}, seconds)
+                   for step, (b, seconds) in inflight.items()}
+        torch.save(batches, tmp / "rng" / f"inflight_rank_{dist.get_rank()}.pt")
     _everyone()
     if is_writer:
         if trainer is not None:
@@ -236,6 +244,16 @@ def load_checkpoint(path: Path, trainer: Trainer | None, trainer_group: dist.Pro
     if run_state["world_size"] == dist.get_world_size() and rng.is_file():
         _set_rng_states(torch.load(rng, weights_only=False))
     return run_state
+
+
+def load_inflight(path: Path) -> dict[int, tuple[EpisodeBatch | None, float]] | None:
+    """This rank's in-flight generation batches saved in checkpoint `path` (None if it saved none).
+    They are this rank's share of the prompts: the caller checks that the launch has the same shape."""
+    file = path / "rng" / f"inflight_rank_{dist.get_rank()}.pt"
+    if not file.is_file():
+        return None
+    saved = torch.load(file, weights_only=True)
+    return {step: (None if b is None else EpisodeBatch(**b), seconds) for step, (b, seconds) in saved.items()}
 
 
 def checkpoint_bytes(shapes: dict[str, tuple[int, ...]]) -> int:

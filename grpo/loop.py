@@ -1,5 +1,6 @@
-"""One launch's components and one RL step: what each rank builds for its role, and what it does
-in a step (the schedule of steps is in schedule.py).
+"""One launch's components and each role's work: what each rank builds for its role, and the pieces
+of a step (generate, deliver, score, advantages, metrics) that the schedules put in order
+(steps.py: the sync step and evaluation; pipeline.py: the async step; schedule.py: the run).
 
 Every rank runs the same sequence of collectives; what a rank does inside a step depends on its
 role (generator, trainer, or both when colocated).
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import math
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -19,7 +21,12 @@ from grpo.config import Config
 from grpo.data import CharTokenizer, DigitTask, Prompt
 from grpo.datasets import HFTokenizer, load_hf_tokenizer
 from grpo.engine import NativeEngine, SamplingParams
-from grpo.episode import EpisodeBatch, compute_advantages, concat_episodes, overlong_penalty, zero_variance_groups
+from grpo.episode import (
+    EpisodeBatch,
+    compute_advantages,
+    overlong_penalty,
+    zero_variance_groups,
+)
 from grpo.faults import check_free_disk, waiting_for
 from grpo.flops import mfu, peak_flops
 from grpo.metrics import reduce_across
@@ -185,6 +192,16 @@ class Run:
             save_tokenizer = lambda folder: self.tokenizer.hf.save_pretrained(str(folder))  # noqa: E731
         export_hf(self.trainer, self.args, save_tokenizer, path, self.roles.rank == self.roles.leader)
 
+    @contextmanager
+    def peak_memory(self, key: str, into: dict[str, float]):
+        """Record in into[key] the most device memory allocated inside the block (CUDA only)."""
+        if self.device.type != "cuda":
+            yield
+            return
+        torch.cuda.reset_peak_memory_stats(self.device)
+        yield
+        into[key] = max(into.get(key, 0.0), torch.cuda.max_memory_allocated(self.device) / 1e9)
+
     def waiting(self, what: str):
         """Name this rank and `what` it waits for if a collective inside the block times out."""
         return waiting_for(self.who, what, self.cfg.parallelism.collective_timeout_s)
@@ -198,19 +215,31 @@ class Run:
     ) -> tuple[EpisodeBatch | None, float]:
         """Generate on generator ranks, deliver whole groups to trainer ranks.
         Returns (this trainer's episodes or None, generation seconds of the slowest generator)."""
+        batch, generate_s = self.generate(prompts, group_size, step, sampling)
+        return self.deliver(batch, len(prompts), generate_s)
+
+    def generate(
+        self, prompts: list[Prompt], group_size: int, step: int, sampling: SamplingParams | None = None
+    ) -> tuple[EpisodeBatch | None, float]:
+        """This generator rank's share of `prompts`, generated (None, 0 on trainer-only ranks).
+        Returns (episodes, seconds). Local: no collective."""
         roles = self.roles
-        generators = len(roles.generator_ranks)
-        batch, generate_s = None, 0.0
-        if roles.is_generator:
-            mine = prompts[roles.generator_ranks.index(roles.rank) :: generators]
-            start = time.perf_counter()
-            batch = generate_episodes(self.engine, mine, group_size, step, self.tokenizer.pad_id, sampling)
-            generate_s = time.perf_counter() - start
+        if not roles.is_generator:
+            return None, 0.0
+        mine = prompts[roles.generator_ranks.index(roles.rank) :: len(roles.generator_ranks)]
+        start = time.perf_counter()
+        batch = generate_episodes(self.engine, mine, group_size, step, self.tokenizer.pad_id, sampling)
+        return batch, time.perf_counter() - start
+
+    def deliver(self, batch: EpisodeBatch | None, num_prompts: int, generate_s: float) -> tuple[EpisodeBatch | None, float]:
+        """Hand generated episodes (whole groups) to trainer ranks. Collective over all ranks.
+        Returns (this trainer's episodes or None, generation seconds of the slowest generator)."""
+        roles = self.roles
         generator_names, trainer_names = self.peers()
         if roles.split:
             what = f"episodes from {generator_names}" if roles.is_trainer else f"the episode exchange with {trainer_names}"
             with self.waiting(what):
-                return exchange_episodes(batch, roles, math.ceil(len(prompts) / generators), generate_s)
+                return exchange_episodes(batch, roles, math.ceil(num_prompts / len(roles.generator_ranks)), generate_s)
         with self.waiting("the other ranks' generation"):
             return batch, reduce({"t": generate_s}, None, dist.ReduceOp.MAX)["t"]
 
@@ -227,25 +256,28 @@ class Run:
     def score(self, episodes: EpisodeBatch, prompts: list[Prompt]) -> dict[str, float]:
         """Rewards on trainer ranks; every rank (generators too) learns whether any trainer failed."""
         with self.waiting(f"the rewards of {self.peers()[1]}"):
-            return self._score(episodes, prompts)
+            sums, failure = self.score_locally(episodes, prompts)
+            self.stop_if_failed(failure, self.agree(float(failure is not None)))
+        return sums
 
-    def _score(self, episodes: EpisodeBatch, prompts: list[Prompt]) -> dict[str, float]:
-        failure = None
-        sums: dict[str, float] = {}
-        if self.roles.is_trainer:
-            try:
-                defaults = {"format_pattern": self.cfg.rewards.format_pattern} if self.cfg.rewards.format_pattern else {}
-                sums = score_episodes(
-                    self.scorer, episodes, {p.index: p for p in prompts}, self.tokenizer.decode, defaults
-                )
-            except RewardError as error:
-                failure = error
-        failed = self.agree(float(failure is not None))
+    def score_locally(self, episodes: EpisodeBatch, prompts: list[Prompt]) -> tuple[dict[str, float], RewardError | None]:
+        """Rewards of this trainer rank's episodes (written into them): (reward sums by function,
+        or the error that stopped scoring). No collective: the caller decides who learns of an error."""
+        if not self.roles.is_trainer:
+            return {}, None
+        try:
+            defaults = {"format_pattern": self.cfg.rewards.format_pattern} if self.cfg.rewards.format_pattern else {}
+            return score_episodes(self.scorer, episodes, {p.index: p for p in prompts}, self.tokenizer.decode, defaults), None
+        except RewardError as error:
+            return {}, error
+
+    @staticmethod
+    def stop_if_failed(failure: RewardError | None, failed_anywhere: float) -> None:
+        """Raise this rank's own error, or RunAborted when only another rank failed."""
         if failure is not None:
             raise failure
-        if failed:
+        if failed_anywhere:
             raise RunAborted()
-        return sums
 
     def advantages(self, episodes: EpisodeBatch) -> tuple[EpisodeBatch, int]:
         """Overlong penalty, advantages and the zero-variance filter on a trainer's episodes.
@@ -269,7 +301,7 @@ class Run:
         keep = (~flat).repeat_interleave(G).nonzero().flatten()
         return episodes.select(keep), int(flat.sum())
 
-    def _first_groups(self, episodes: EpisodeBatch, count: int) -> EpisodeBatch:
+    def first_groups(self, episodes: EpisodeBatch, count: int) -> EpisodeBatch:
         """Keep, over all trainer ranks together, the `count` groups with the lowest prompt indices."""
         local = torch.unique(episodes.prompt_index).tolist()
         gathered: list[list[int]] = [[] for _ in self.roles.trainer_ranks]
@@ -277,120 +309,29 @@ class Run:
         chosen = torch.tensor(sorted(i for ranks in gathered for i in ranks)[:count], dtype=torch.long)
         return episodes.select(torch.isin(episodes.prompt_index, chosen).nonzero().flatten())
 
-    def evaluate(self) -> dict[str, float]:
-        """eval.samples completions of each held-out prompt (greedy when 1), scored on trainer ranks.
-
-        eval/accuracy: the fraction of completions whose reward reaches eval.correct_reward;
-        eval/pass@k: the fraction of prompts with at least one such completion among k = eval.samples.
-        Sampling keys use step 0, which no training step uses: every evaluation draws the same noise.
-        """
-        prompts, n = self.task.eval_prompts, self.cfg.eval.samples
-        episodes, _ = self.collect_episodes(prompts, n, step=0, sampling=self.greedy if n == 1 else None)
-        self.score(episodes, prompts)
-        if not self.roles.is_trainer:
-            return {}
-        correct = (episodes.rewards >= self.cfg.eval.correct_reward).float()
-        solved = correct.view(-1, n).amax(dim=1) if len(correct) else correct
-        totals = reduce(
-            {
-                "reward": float(episodes.rewards.sum()),
-                "length": float(episodes.completion_lens.sum()),
-                "correct": float(correct.sum()),
-                "solved": float(solved.sum()),
-            },
-            self.trainer_group,
-        )
-        completions = len(prompts) * n
-        return {
-            "eval/reward_mean": totals["reward"] / completions,
-            "eval/length_mean": totals["length"] / completions,
-            "eval/accuracy": totals["correct"] / completions,
-            "eval/pass@k": totals["solved"] / len(prompts),
-        }
-
-    def step(self, step: int, with_samples: bool = False) -> tuple[dict[str, float], list[dict]]:
-        """One RL step; returns the step's metrics on trainer ranks ({} on generator-only ranks) and,
-        when asked, a few of this rank's episodes as readable samples.
-
-        With dynamic sampling, generation rounds of fresh prompts repeat until data.prompts_per_step
-        groups survive the zero-variance filter (or the rounds run out); surplus groups of the last
-        round are dropped in prompt order so every step trains on the same number of groups.
-        """
-        cfg, G, target = self.cfg, self.cfg.grpo.group_size, self.cfg.data.prompts_per_step
-        start = time.perf_counter()
-        rounds = cfg.grpo.dynamic_sampling_max_rounds if cfg.grpo.dynamic_sampling else 1
-        generated, kept, reward_sums, prompts_seen = [], [], {}, {}
-        generate_s = score_s = 0.0
-        filtered = kept_groups = 0
-        for round_index in range(rounds):
-            prompts = self.task.train_prompts(step, target, round_index)
-            prompts_seen.update((p.index, p) for p in prompts)
-            episodes, seconds = self.collect_episodes(prompts, G, step)
-            generate_s += seconds
-            score_start = time.perf_counter()
-            for name, total in self.score(episodes, prompts).items():
-                reward_sums[name] = reward_sums.get(name, 0.0) + total
-            if self.roles.is_trainer:
-                generated.append(episodes)
-                episodes, dropped = self.advantages(episodes)
-                filtered += dropped
-                kept.append(episodes)
-            score_s += time.perf_counter() - score_start
-            local_groups = len(kept[-1]) // G if self.roles.is_trainer else 0
-            round_groups = int(self.agree(float(local_groups), dist.ReduceOp.SUM))
-            if cfg.grpo.dynamic_sampling and kept_groups + round_groups > target:
-                if self.roles.is_trainer:
-                    kept[-1] = self._first_groups(kept[-1], target - kept_groups)
-                round_groups = target - kept_groups
-            kept_groups += round_groups
-            if kept_groups >= target:
-                break
-        train_start = time.perf_counter()
-        train_metrics = {}
-        if self.roles.is_trainer:
-            with self.waiting(f"the other {self.peers()[1]} (FSDP collectives)"):
-                train_metrics = self.trainer.train(concat_episodes(kept, self.tokenizer.pad_id))
-        train_end = time.perf_counter()
-        sync_s = self.sync_weights(step)
-        if not self.roles.is_trainer:
-            return {}, []
-        episodes = concat_episodes(generated, self.tokenizer.pad_id)
-        if cfg.grpo.filter_zero_variance:
-            groups = reduce({"filtered": float(filtered)}, self.trainer_group)
-            train_metrics["grpo/groups_filtered"] = groups["filtered"]
-            train_metrics["grpo/groups_trained"] = float(kept_groups)
-            train_metrics["grpo/generation_rounds"] = float(round_index + 1)
+    def step_metrics(
+        self, step: int, episodes: EpisodeBatch, reward_sums: dict[str, float], train_metrics: dict[str, float],
+        times: dict[str, float],
+    ) -> tuple[dict[str, float], dict[str, float]]:
+        """The step's metrics from this trainer rank's episodes and timings, reduced over the
+        trainer ranks: (all metrics, the reduced timings). Collective over trainer ranks."""
         n = len(episodes)
+        # Versions count applied updates; step s trains after s - 1 of them.
+        staleness = (step - 1 - episodes.version).double()
         per_episode = reduce_across(
             {
                 "reward/mean": float(episodes.rewards.sum()) / max(n, 1),
                 **{f"reward/{name}": total / max(n, 1) for name, total in reward_sums.items()},
                 "episode/length_mean": float(episodes.completion_lens.sum()) / max(n, 1),
                 "episode/truncated_frac": float(episodes.truncated.sum()) / max(n, 1),
+                "staleness/mean": float(staleness.sum()) / max(n, 1),
+                "staleness/max": float(staleness.max()) if n else 0.0,
             },
             self.trainer_group,
             weights=float(n),
         )
-        times = reduce_across(
-            {
-                "time/generate_s": generate_s,
-                "time/score_s": score_s,
-                "time/train_s": train_end - train_start,
-                "time/weight_sync_s": sync_s,
-                "time/step_s": time.perf_counter() - start,
-            },
-            self.trainer_group,
-        )
-        metrics = {**per_episode, **train_metrics, **times, **self._rates(episodes, times)}
-        if self.roles.split:
-            # Split roles wait on each other: generators while trainers score and train, trainers
-            # while generators generate.
-            metrics["time/generator_idle_s"] = times["time/step_s"] - times["time/generate_s"] - times["time/weight_sync_s"]
-            metrics["time/trainer_idle_s"] = (
-                times["time/step_s"] - times["time/score_s"] - times["time/train_s"] - times["time/weight_sync_s"]
-            )
-        samples = self._samples(episodes, prompts_seen) if with_samples else []
-        return metrics, samples
+        times = reduce_across(times, self.trainer_group)
+        return {**per_episode, **train_metrics, **times, **self._rates(episodes, times)}, times
 
     def _rates(self, episodes: EpisodeBatch, times: dict[str, float]) -> dict[str, float]:
         """Throughput of this rank's share, summed over trainer ranks; MFU against the stated peak."""
@@ -408,7 +349,7 @@ class Run:
             rates["throughput/mfu"] = mfu(tokens * iterations, times["time/train_s"], self.args, seq_len, self.peak[0], 1)
         return reduce_across(rates, self.trainer_group, weights=1.0)
 
-    def _samples(self, episodes: EpisodeBatch, prompts: dict[int, Prompt]) -> list[dict]:
+    def samples(self, episodes: EpisodeBatch, prompts: dict[int, Prompt]) -> list[dict]:
         """The first metrics.samples_prompts groups of this rank's episodes, as readable records."""
         count = self.cfg.metrics.samples_prompts * self.cfg.grpo.group_size
         return [

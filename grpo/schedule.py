@@ -4,18 +4,27 @@ ends (done, stopped by a signal, or diverged)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 import time
 from pathlib import Path
 
 import torch.distributed as dist
 
-from grpo.checkpoint import checkpoint_root, load_checkpoint, save_checkpoint
+from grpo.checkpoint import (
+    CheckpointMismatch,
+    checkpoint_root,
+    load_checkpoint,
+    load_inflight,
+    save_checkpoint,
+)
 from grpo.config import Config
 from grpo.faults import GracefulStop, restart_count
 from grpo.loop import Run, TrainingDiverged, reduce
 from grpo.metrics import MetricsLogger
+from grpo.pipeline import AsyncSchedule
 from grpo.report import render_report
+from grpo.steps import evaluate, sync_step
 
 
 def run_loop(cfg: Config, job: Run, resume: Path | None = None, stop: GracefulStop | None = None) -> None:
@@ -30,9 +39,13 @@ def run_loop(cfg: Config, job: Run, resume: Path | None = None, stop: GracefulSt
     is_leader = roles.rank == roles.leader
     root = checkpoint_root(cfg.job.output_dir)
     start_step, bad_steps, evals = 0, 0, {}
+    pipeline = AsyncSchedule(job) if cfg.training.schedule == "async" else None
+    inflight = None
     if resume is not None:
         state = load_checkpoint(resume, job.trainer, job.trainer_group)
+        _check_same_schedule(cfg, resume, state, dist.get_world_size())
         start_step, bad_steps, evals = state["step"], state["bad_steps"], state["evals"]
+        inflight = load_inflight(resume) if pipeline is not None else None
         if is_leader:
             _announce_resume(cfg, resume, state)
     logger = MetricsLogger(
@@ -43,27 +56,31 @@ def run_loop(cfg: Config, job: Run, resume: Path | None = None, stop: GracefulSt
 
     def save(step: int) -> Path:
         run_state = {"step": step, "policy_version": step, "data_position": _data_position(cfg, step)}
-        run_state.update(bad_steps=bad_steps, evals=evals)
+        run_state.update(bad_steps=bad_steps, evals=evals, schedule=_schedule_of(cfg))
         with job.waiting("the checkpoint save on every rank"):
             return save_checkpoint(
-                root, step, job.trainer, job.trainer_group, run_state, is_leader, cfg.checkpoint.keep
+                root, step, job.trainer, job.trainer_group, run_state, is_leader, cfg.checkpoint.keep,
+                inflight=pipeline.inflight if pipeline is not None and roles.is_generator else None,
             )
 
     with logger:
         job.sync_weights(version=start_step)
         if start_step == 0:
-            first = job.evaluate()
+            first = evaluate(job)
             evals = {"first": first, "last": first}
             logger.log(0, first)
         elif start_step >= cfg.training.steps and is_leader:
             print(f"nothing to do: {resume} is at step {start_step} of training.steps = {cfg.training.steps}", flush=True)
+        if pipeline is not None:
+            pipeline.prime(start_step, inflight)
+        take_step = functools.partial(sync_step, job) if pipeline is None else pipeline.step
         for step in range(start_step + 1, cfg.training.steps + 1):
-            metrics, samples = job.step(step, with_samples=_every(cfg.metrics.samples_every, step))
+            metrics, samples = take_step(step, with_samples=_every(cfg.metrics.samples_every, step))
             if samples:
                 logger.log_samples(step, samples)
             last_step = step == cfg.training.steps
             if last_step or _every(cfg.eval.every, step):
-                evals["last"] = job.evaluate()
+                evals["last"] = evaluate(job)
                 metrics.update(evals["last"])
             with job.waiting("the step boundary on every rank"):
                 boundary = reduce(
@@ -131,6 +148,29 @@ def _announce_mfu(job: Run) -> None:
         print(
             f"no MFU: no peak FLOP/s is known for {job.device.type} in {job.dtype} (set metrics.peak_tflops)",
             flush=True,
+        )
+
+
+def _schedule_of(cfg: Config) -> dict:
+    """What a checkpoint's in-flight state depends on: the schedule, its lag and the rank layout."""
+    async_ = cfg.training.schedule == "async"
+    return {"schedule": cfg.training.schedule, "max_staleness": cfg.training.max_staleness if async_ else 0,
+            "generator_ranks": cfg.parallelism.generator_ranks if async_ else 0}
+
+
+def _check_same_schedule(cfg: Config, resume: Path, state: dict, world_size: int) -> None:
+    """An async checkpoint holds batches generated ahead by particular ranks with a particular lag:
+    refuse (on every rank alike) to continue it under another schedule, lag or layout."""
+    saved = state.get("schedule", {"schedule": "sync", "max_staleness": 0, "generator_ranks": 0})
+    now = _schedule_of(cfg)
+    if saved["schedule"] == now["schedule"] == "sync":
+        return
+    if saved != now or state["world_size"] != world_size:
+        raise CheckpointMismatch(
+            f"checkpoint {resume} was written by training.schedule = {saved['schedule']!r} "
+            f"(max_staleness {saved['max_staleness']}, {saved['generator_ranks']} generator ranks, "
+            f"{state['world_size']} ranks); this run has {now['schedule']!r} (max_staleness {now['max_staleness']}, "
+            f"{now['generator_ranks']} generator ranks, {world_size} ranks): resume with the same settings"
         )
 
 

@@ -89,7 +89,9 @@ class Trainer:
             kl_coef=grpo.kl_coef,
             kl_estimator=grpo.kl_estimator,
             entropy_coef=grpo.entropy_coef,
-            tis_cap=grpo.tis_cap,
+            # The config loader resolves -1 (auto) by training.schedule; a GRPOConfig built without
+            # one trains on its own generations, so auto means off.
+            tis_cap=max(grpo.tis_cap, 0.0),
             tis_level=grpo.tis_level,
             tis_mode=grpo.tis_mode,
             max_new_tokens=max_new_tokens,

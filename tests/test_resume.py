@@ -27,7 +27,12 @@ RESUME = [
     "--checkpoint.every=0",
     "--metrics.samples_every=0",
 ]
-MODES = {"split": ["--parallelism.mode=split"], "colocated": ["--parallelism.mode=colocated"]}
+MODES = {
+    "split": ["--parallelism.mode=split"],
+    "colocated": ["--parallelism.mode=colocated"],
+    # k = 2: the checkpoint holds two batches generated ahead, by two different policy versions
+    "async": ["--parallelism.mode=split", "--training.schedule=async", "--training.max_staleness=2"],
+}
 
 
 def start(args: list[str], nproc: int | None, max_restarts: int = 0) -> subprocess.Popen:

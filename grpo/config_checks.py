@@ -1,0 +1,246 @@
+"""Config validation: every impossible setting, the rank layout included, found before any
+process group exists and reported as one ConfigError line naming the key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from grpo.gym import check_gym_config, is_gym_path
+
+
+def validate_config(cfg: Config, world_size: int) -> None:
+    """Raise ConfigError naming the first impossible setting, including rank-layout ones."""
+    for key, allowed in _CHOICES.items():
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if value not in allowed:
+            choices = ", ".join(map(_toml_value, allowed))
+            raise ConfigError(f"config key '{key}' must be one of {choices}; got {_toml_value(value)}")
+
+    m = cfg.model
+    if bool(m.path) != bool(cfg.data.path):
+        raise ConfigError(
+            "model.path and data.path go together: an HF checkpoint brings the tokenizer a prompt file "
+            "needs, and the built-in tasks use the built-in tokenizer "
+            f"(model.path = {m.path!r}, data.path = {cfg.data.path!r})"
+        )
+    if m.path and not Path(m.path).exists():
+        raise ConfigError(f"model.path = {m.path!r} does not exist")
+    if m.path and not (Path(m.path) / "config.json").is_file():
+        raise ConfigError(f"model.path = {m.path!r} has no config.json (expected an HF checkpoint folder)")
+    if is_gym_path(cfg.data.path):
+        try:
+            check_gym_config(cfg.data.path, cfg.data.reasoning_gym)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+    elif cfg.data.reasoning_gym:
+        raise ConfigError("data.reasoning_gym is set but data.path does not name a reasoning-gym dataset ('reasoning_gym:NAME')")
+    elif cfg.data.path and not Path(cfg.data.path).exists():
+        raise ConfigError(f"data.path = {cfg.data.path!r} does not exist")
+    if cfg.data.path and cfg.grpo.dynamic_sampling:
+        raise ConfigError(
+            "grpo.dynamic_sampling with data.path is not supported yet (extra rounds could redraw a "
+            "prompt of the same step); use it with the built-in tasks"
+        )
+    _require(cfg.data.max_prompt_tokens >= 1, "data.max_prompt_tokens", cfg.data.max_prompt_tokens, "must be >= 1")
+    for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim"):
+        _require(getattr(m, name) >= 1, f"model.{name}", getattr(m, name), "must be >= 1")
+    kv_why = f"must be a multiple of model.n_kv_heads = {m.n_kv_heads}"
+    _require(m.n_heads % m.n_kv_heads == 0, "model.n_heads", m.n_heads, kv_why)
+    _require(m.dim % m.n_heads == 0, "model.dim", m.dim, f"must be a multiple of model.n_heads = {m.n_heads}")
+    if m.dim // m.n_heads % 2:
+        raise ConfigError(f"model.dim / model.n_heads = {m.dim // m.n_heads} must be even (RoPE rotates pairs)")
+
+    d = cfg.data
+    _require(d.prompts_per_step >= 1, "data.prompts_per_step", d.prompts_per_step, "must be >= 1")
+    _require(d.digits_min >= 1, "data.digits_min", d.digits_min, "must be >= 1")
+    digits_why = f"must not exceed data.digits_max = {d.digits_max}"
+    _require(d.digits_min <= d.digits_max, "data.digits_min", d.digits_min, digits_why)
+
+    g = cfg.generation
+    _require(g.max_new_tokens >= 1, "generation.max_new_tokens", g.max_new_tokens, "must be >= 1")
+    _require(
+        bool(d.path) or g.max_new_tokens >= d.digits_max,
+        "generation.max_new_tokens",
+        g.max_new_tokens,
+        f"cannot hold the longest answer of the built-in task (data.digits_max = {d.digits_max})",
+    )
+    _require(g.temperature >= 0, "generation.temperature", g.temperature, "must be >= 0 (0 = greedy)")
+    _require(0 < g.top_p <= 1, "generation.top_p", g.top_p, "must be in (0, 1] (1 = off)")
+    _require(g.top_k >= 0, "generation.top_k", g.top_k, "must be >= 0 (0 = off)")
+    _require("" not in g.stop, "generation.stop", g.stop, "must not contain an empty string (it matches at once)")
+    _require(g.max_batch_size >= 1, "generation.max_batch_size", g.max_batch_size, "must be >= 1")
+    _require(
+        g.max_seq_len == 0 or g.max_seq_len > g.max_new_tokens,
+        "generation.max_seq_len",
+        g.max_seq_len,
+        f"must be 0 (derived) or hold a prompt plus generation.max_new_tokens = {g.max_new_tokens}",
+    )
+    _require(g.kv_cache_gb >= 0, "generation.kv_cache_gb", g.kv_cache_gb, "must be >= 0 (0 = sized from max_batch_size)")
+    _require(0 < g.kv_cache_fraction <= 1, "generation.kv_cache_fraction", g.kv_cache_fraction, "must be in (0, 1]")
+    _require(g.sync_every >= 1, "generation.sync_every", g.sync_every, "must be >= 1")
+
+    p = cfg.grpo
+    _require(
+        p.group_size >= 2,
+        "grpo.group_size",
+        p.group_size,
+        "must be >= 2 (advantages compare the samples of one prompt with each other)",
+    )
+    _require(p.clip_eps_low >= 0, "grpo.clip_eps_low", p.clip_eps_low, "must be >= 0")
+    _require(p.clip_eps_high >= 0, "grpo.clip_eps_high", p.clip_eps_high, "must be >= 0")
+    _require(p.num_iterations >= 1, "grpo.num_iterations", p.num_iterations, "must be >= 1")
+    _require(p.minibatches >= 1, "grpo.minibatches", p.minibatches, "must be >= 1")
+    _require(
+        p.clip_ratio_c == 0 or p.clip_ratio_c > 1, "grpo.clip_ratio_c", p.clip_ratio_c, "must be 0 (off) or > 1"
+    )
+    _require(p.gspo_clip_eps_low >= 0, "grpo.gspo_clip_eps_low", p.gspo_clip_eps_low, "must be >= 0")
+    _require(p.gspo_clip_eps_high >= 0, "grpo.gspo_clip_eps_high", p.gspo_clip_eps_high, "must be >= 0")
+    _require(p.kl_coef >= 0, "grpo.kl_coef", p.kl_coef, "must be >= 0")
+    _require(p.tis_cap in (0, AUTO_TIS_CAP) or p.tis_cap >= 1, "grpo.tis_cap", p.tis_cap, "must be 0 (off), -1 (auto) or >= 1")
+    _require(p.overlong_buffer >= 0, "grpo.overlong_buffer", p.overlong_buffer, "must be >= 0 (0 = off)")
+    _require(
+        p.overlong_buffer <= g.max_new_tokens,
+        "grpo.overlong_buffer",
+        p.overlong_buffer,
+        f"must not exceed generation.max_new_tokens = {g.max_new_tokens}",
+    )
+    _require(p.overlong_penalty >= 0, "grpo.overlong_penalty", p.overlong_penalty, "must be >= 0")
+    _require(
+        not p.dynamic_sampling or p.filter_zero_variance,
+        "grpo.dynamic_sampling",
+        p.dynamic_sampling,
+        "needs grpo.filter_zero_variance = true (it replaces the groups that filter drops)",
+    )
+    _require(
+        p.dynamic_sampling_max_rounds >= 1,
+        "grpo.dynamic_sampling_max_rounds",
+        p.dynamic_sampling_max_rounds,
+        "must be >= 1",
+    )
+
+    r = cfg.rewards
+    _require(len(r.functions) >= 1, "rewards.functions", r.functions, "must name at least one reward function")
+    _require(
+        len(r.weights) == len(r.functions),
+        "rewards.weights",
+        r.weights,
+        f"has {len(r.weights)} values but rewards.functions has {len(r.functions)}; give one weight per function",
+    )
+    _require(r.timeout_s > 0, "rewards.timeout_s", r.timeout_s, "must be > 0")
+    _require(r.num_workers >= 0, "rewards.num_workers", r.num_workers, "must be >= 0")
+
+    o = cfg.optimizer
+    _require(o.lr > 0, "optimizer.lr", o.lr, "must be > 0")
+    betas_ok = len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas)
+    _require(betas_ok, "optimizer.betas", o.betas, "must be two values in [0, 1)")
+    _require(o.eps >= 0, "optimizer.eps", o.eps, "must be >= 0")
+    _require(o.weight_decay >= 0, "optimizer.weight_decay", o.weight_decay, "must be >= 0")
+    _require(o.warmup_steps >= 0, "optimizer.warmup_steps", o.warmup_steps, "must be >= 0")
+    _require(0 <= o.min_lr_ratio <= 1, "optimizer.min_lr_ratio", o.min_lr_ratio, "must be in [0, 1]")
+    _require(o.max_grad_norm >= 0, "optimizer.max_grad_norm", o.max_grad_norm, "must be >= 0 (0 = off)")
+
+    t = cfg.training
+    _require(t.steps >= 1, "training.steps", t.steps, "must be >= 1")
+    longest = cfg.data.max_prompt_tokens + cfg.generation.max_new_tokens
+    _require(
+        t.micro_batch_tokens >= longest,
+        "training.micro_batch_tokens",
+        t.micro_batch_tokens,
+        f"must hold the longest episode: data.max_prompt_tokens + generation.max_new_tokens = {longest}",
+    )
+
+    e = cfg.eval
+    _require(e.every >= 0, "eval.every", e.every, "must be >= 0 (0 = only at step 0 and the end)")
+    _require(p.entropy_coef >= 0, "grpo.entropy_coef", p.entropy_coef, "must be >= 0")
+    _require(e.num_prompts >= 1, "eval.num_prompts", e.num_prompts, "must be >= 1")
+    _require(e.samples >= 1, "eval.samples", e.samples, "must be >= 1 (1 = greedy)")
+    c = cfg.checkpoint
+    _require(c.export_hf_every >= 0, "checkpoint.export_hf_every", c.export_hf_every, "must be >= 0 (0 = export only at the end)")
+    _require(c.every >= 0, "checkpoint.every", c.every, "must be >= 0 (0 = only at the end)")
+    _require(c.keep >= 0, "checkpoint.keep", c.keep, "must be >= 0 (0 = keep all)")
+    _require(
+        c.resume in ("auto", "none") or Path(c.resume).is_dir(),
+        "checkpoint.resume",
+        c.resume,
+        'must be "auto", "none" or an existing checkpoint folder',
+    )
+    _require(t.max_bad_steps >= 1, "training.max_bad_steps", t.max_bad_steps, "must be >= 1")
+    _require(t.max_staleness >= 1, "training.max_staleness", t.max_staleness, "must be >= 1")
+    if t.schedule == "async":
+        if cfg.parallelism.mode == "colocated":
+            raise ConfigError(
+                'training.schedule = "async" needs split roles: colocated ranks cannot generate and train at '
+                'once (set --parallelism.mode=split, or --training.schedule=sync)'
+            )
+        if p.dynamic_sampling:
+            raise ConfigError(
+                'grpo.dynamic_sampling with training.schedule = "async" is not supported: each extra round '
+                "waits for the scores of the one before, which serialises the two roles"
+            )
+    mt = cfg.metrics
+    _require(mt.samples_every >= 0, "metrics.samples_every", mt.samples_every, "must be >= 0 (0 = never)")
+    _require(mt.samples_prompts >= 1, "metrics.samples_prompts", mt.samples_prompts, "must be >= 1")
+    _require(mt.peak_tflops >= 0, "metrics.peak_tflops", mt.peak_tflops, "must be >= 0 (0 = built-in table)")
+
+    prompts = d.prompts_per_step
+    par = cfg.parallelism
+    _require(par.weight_bucket_mb >= 1, "parallelism.weight_bucket_mb", par.weight_bucket_mb, "must be >= 1")
+    _require(par.collective_timeout_s > 0, "parallelism.collective_timeout_s", par.collective_timeout_s, "must be > 0")
+    if par.mode == "colocated":
+        _require_multiple(
+            prompts, world_size, f"world size {world_size}", "colocated mode: every rank generates an equal share"
+        )
+    else:
+        if world_size < 2:
+            raise ConfigError(
+                'parallelism.mode = "split" needs at least 2 ranks '
+                "(launch with torchrun --nproc_per_node=2 or more, or set --parallelism.mode=colocated)"
+            )
+        if par.generator_ranks < 1:
+            raise ConfigError(
+                f"parallelism.generator_ranks = {par.generator_ranks} leaves no generator rank; "
+                f"set it between 1 and {world_size - 1}"
+            )
+        if par.generator_ranks >= world_size:
+            raise ConfigError(
+                f"parallelism.generator_ranks = {par.generator_ranks} leaves no trainer rank with world size "
+                f"{world_size}; set it between 1 and {world_size - 1}"
+            )
+        _require_multiple(
+            prompts,
+            par.generator_ranks,
+            f"parallelism.generator_ranks = {par.generator_ranks}",
+            "split mode: every generator rank generates an equal share",
+        )
+    _require(
+        prompts % p.minibatches == 0,
+        "data.prompts_per_step",
+        prompts,
+        f"is not divisible by grpo.minibatches = {p.minibatches} (a minibatch holds whole groups); "
+        f"set --grpo.minibatches to a divisor of {prompts}",
+    )
+
+
+def _require(ok: bool, key: str, value: Any, why: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key} = {_toml_value(value)} {why}")
+
+
+def _require_multiple(prompts: int, divisor: int, divisor_desc: str, why: str) -> None:
+    lower = prompts // divisor * divisor
+    examples = " or ".join(str(n) for n in (lower, lower + divisor) if n > 0)
+    _require(
+        prompts % divisor == 0,
+        "data.prompts_per_step",
+        prompts,
+        f"is not divisible by {divisor_desc} ({why}); "
+        f"set --data.prompts_per_step to a multiple of {divisor}, e.g. {examples}",
+    )
+
+
+# Last, and with postponed annotations, so that this module's names already exist when
+# grpo.config re-exports them from its own bottom: either module may be imported first.
+from grpo.config import _CHOICES, AUTO_TIS_CAP, Config, ConfigError
+from grpo.config_io import _toml_value

@@ -1,0 +1,118 @@
+"""The sync schedule's step and the held-out evaluation, each top-down: what generator and trainer
+ranks do, in the order they meet (the async step is in pipeline.py)."""
+
+from __future__ import annotations
+
+import time
+
+import torch.distributed as dist
+
+from grpo.episode import concat_episodes
+from grpo.loop import Run, reduce
+
+
+def evaluate(job: Run) -> dict[str, float]:
+    """eval.samples completions of each held-out prompt (greedy when 1), scored on trainer ranks.
+
+    eval/accuracy: the fraction of completions whose reward reaches eval.correct_reward;
+    eval/pass@k: the fraction of prompts with at least one such completion among k = eval.samples.
+    Sampling keys use step 0, which no training step uses: every evaluation draws the same noise.
+    """
+    prompts, n = job.task.eval_prompts, job.cfg.eval.samples
+    episodes, _ = job.collect_episodes(prompts, n, step=0, sampling=job.greedy if n == 1 else None)
+    job.score(episodes, prompts)
+    if not job.roles.is_trainer:
+        return {}
+    correct = (episodes.rewards >= job.cfg.eval.correct_reward).float()
+    solved = correct.view(-1, n).amax(dim=1) if len(correct) else correct
+    totals = reduce(
+        {
+            "reward": float(episodes.rewards.sum()),
+            "length": float(episodes.completion_lens.sum()),
+            "correct": float(correct.sum()),
+            "solved": float(solved.sum()),
+        },
+        job.trainer_group,
+    )
+    completions = len(prompts) * n
+    return {
+        "eval/reward_mean": totals["reward"] / completions,
+        "eval/length_mean": totals["length"] / completions,
+        "eval/accuracy": totals["correct"] / completions,
+        "eval/pass@k": totals["solved"] / len(prompts),
+    }
+
+def sync_step(job: Run, step: int, with_samples: bool = False) -> tuple[dict[str, float], list[dict]]:
+    """One RL step; returns the step's metrics on trainer ranks ({} on generator-only ranks) and,
+    when asked, a few of this rank's episodes as readable samples.
+
+    With dynamic sampling, generation rounds of fresh prompts repeat until data.prompts_per_step
+    groups survive the zero-variance filter (or the rounds run out); surplus groups of the last
+    round are dropped in prompt order so every step trains on the same number of groups.
+    """
+    cfg, G, target = job.cfg, job.cfg.grpo.group_size, job.cfg.data.prompts_per_step
+    start = time.perf_counter()
+    rounds = cfg.grpo.dynamic_sampling_max_rounds if cfg.grpo.dynamic_sampling else 1
+    generated, kept, reward_sums, prompts_seen = [], [], {}, {}
+    generate_s = score_s = 0.0
+    filtered = kept_groups = 0
+    # peak device memory (GB) of this rank in each phase of the step
+    memory: dict[str, float] = {}
+    for round_index in range(rounds):
+        prompts = job.task.train_prompts(step, target, round_index)
+        prompts_seen.update((p.index, p) for p in prompts)
+        with job.peak_memory("memory/generate_peak_gb", memory):
+            episodes, seconds = job.collect_episodes(prompts, G, step)
+        generate_s += seconds
+        score_start = time.perf_counter()
+        for name, total in job.score(episodes, prompts).items():
+            reward_sums[name] = reward_sums.get(name, 0.0) + total
+        if job.roles.is_trainer:
+            generated.append(episodes)
+            episodes, dropped = job.advantages(episodes)
+            filtered += dropped
+            kept.append(episodes)
+        score_s += time.perf_counter() - score_start
+        local_groups = len(kept[-1]) // G if job.roles.is_trainer else 0
+        round_groups = int(job.agree(float(local_groups), dist.ReduceOp.SUM))
+        if cfg.grpo.dynamic_sampling and kept_groups + round_groups > target:
+            if job.roles.is_trainer:
+                kept[-1] = job.first_groups(kept[-1], target - kept_groups)
+            round_groups = target - kept_groups
+        kept_groups += round_groups
+        if kept_groups >= target:
+            break
+    train_start = time.perf_counter()
+    train_metrics = {}
+    if job.roles.is_trainer:
+        with job.waiting(f"the other {job.peers()[1]} (FSDP collectives)"):
+            with job.peak_memory("memory/train_peak_gb", memory):
+                train_metrics = job.trainer.train(concat_episodes(kept, job.tokenizer.pad_id))
+            train_metrics.update(memory)
+    train_end = time.perf_counter()
+    sync_s = job.sync_weights(step)
+    if not job.roles.is_trainer:
+        return {}, []
+    episodes = concat_episodes(generated, job.tokenizer.pad_id)
+    if cfg.grpo.filter_zero_variance:
+        groups = reduce({"filtered": float(filtered)}, job.trainer_group)
+        train_metrics["grpo/groups_filtered"] = groups["filtered"]
+        train_metrics["grpo/groups_trained"] = float(kept_groups)
+        train_metrics["grpo/generation_rounds"] = float(round_index + 1)
+    times = {
+        "time/generate_s": generate_s,
+        "time/score_s": score_s,
+        "time/train_s": train_end - train_start,
+        "time/weight_sync_s": sync_s,
+        "time/step_s": time.perf_counter() - start,
+    }
+    metrics, times = job.step_metrics(step, episodes, reward_sums, train_metrics, times)
+    if job.roles.split:
+        # Split roles wait on each other: generators while trainers score and train, trainers
+        # while generators generate.
+        metrics["time/generator_idle_s"] = times["time/step_s"] - times["time/generate_s"] - times["time/weight_sync_s"]
+        metrics["time/trainer_idle_s"] = (
+            times["time/step_s"] - times["time/score_s"] - times["time/train_s"] - times["time/weight_sync_s"]
+        )
+    samples = job.samples(episodes, prompts_seen) if with_samples else []
+    return metrics, samples
