@@ -99,6 +99,7 @@ def run(cfg: Config, stop: GracefulStop) -> None:
             cfg.parallelism.generator_ranks,
             device,
             timedelta(seconds=cfg.parallelism.collective_timeout_s),
+            cfg.parallelism.generator_tp,
         )
         # Start-up checks come before any model is built or loaded, and nothing in the output folder
         # is written before they pass.

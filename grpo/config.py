@@ -115,6 +115,8 @@ class GenerationConfig:
     compile: bool = True
     # decode steps between the host's checks for finished sequences (EOS and budget are detected on the device)
     sync_every: int = 8
+    # colocated: free the KV cache while the trainer trains (the same slots come back before the next generation; CUDA graphs are recaptured)
+    release_kv_cache: bool = True
 
 
 @dataclass
@@ -221,6 +223,8 @@ class ParallelismConfig:
     mode: str = "split"
     # split mode: number of generator ranks; the rest train
     generator_ranks: int = 1
+    # split mode: generator ranks per engine (tensor parallelism); consecutive generator ranks form one group
+    generator_tp: int = 1
     # split mode: size of one weight-sync bucket (MiB); no rank holds more than one beyond its own shard
     weight_bucket_mb: int = 256
     # seconds any collective or transfer may wait for other ranks before the job stops, naming whom it waited on

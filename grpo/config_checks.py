@@ -7,6 +7,8 @@ from pathlib import Path
 from typing import Any
 
 from grpo.gym import check_gym_config, is_gym_path
+from model.args import ModelArgs
+from model.parallelize import tensor_parallel_problem
 
 
 def validate_config(cfg: Config, world_size: int) -> None:
@@ -189,6 +191,11 @@ def validate_config(cfg: Config, world_size: int) -> None:
     _require(par.weight_bucket_mb >= 1, "parallelism.weight_bucket_mb", par.weight_bucket_mb, "must be >= 1")
     _require(par.collective_timeout_s > 0, "parallelism.collective_timeout_s", par.collective_timeout_s, "must be > 0")
     if par.mode == "colocated":
+        if par.generator_tp != 1:
+            raise ConfigError(
+                f"parallelism.generator_tp = {par.generator_tp} needs split roles (parallelism.mode = \"split\"): "
+                "colocated ranks each run a whole engine"
+            )
         _require_multiple(
             prompts, world_size, f"world size {world_size}", "colocated mode: every rank generates an equal share"
         )
@@ -208,11 +215,14 @@ def validate_config(cfg: Config, world_size: int) -> None:
                 f"parallelism.generator_ranks = {par.generator_ranks} leaves no trainer rank with world size "
                 f"{world_size}; set it between 1 and {world_size - 1}"
             )
+        _check_generator_tp(cfg)
+        engines = par.generator_ranks // par.generator_tp
         _require_multiple(
             prompts,
-            par.generator_ranks,
-            f"parallelism.generator_ranks = {par.generator_ranks}",
-            "split mode: every generator rank generates an equal share",
+            engines,
+            f"parallelism.generator_ranks = {par.generator_ranks}"
+            + (f" / generator_tp = {par.generator_tp} = {engines} engines" if par.generator_tp > 1 else ""),
+            "split mode: every engine generates an equal share",
         )
     _require(
         prompts % p.minibatches == 0,
@@ -221,6 +231,27 @@ def validate_config(cfg: Config, world_size: int) -> None:
         f"is not divisible by grpo.minibatches = {p.minibatches} (a minibatch holds whole groups); "
         f"set --grpo.minibatches to a divisor of {prompts}",
     )
+
+
+def _check_generator_tp(cfg: Config) -> None:
+    """A TP group must split the generator ranks into whole engines and the model into equal shards."""
+    par, m = cfg.parallelism, cfg.model
+    tp = par.generator_tp
+    _require(tp >= 1, "parallelism.generator_tp", tp, "must be >= 1")
+    if par.generator_ranks % tp:
+        raise ConfigError(
+            f"parallelism.generator_tp = {tp} does not divide parallelism.generator_ranks = {par.generator_ranks} "
+            "(each engine takes generator_tp consecutive generator ranks)"
+        )
+    if tp == 1:
+        return
+    if m.path:
+        args = ModelArgs.from_hf_dir(m.path)
+    else:
+        args = ModelArgs(n_heads=m.n_heads, n_kv_heads=m.n_kv_heads, ffn_dim=m.ffn_dim)
+    problem = tensor_parallel_problem(args, tp)
+    if problem:
+        raise ConfigError(f"parallelism.generator_tp = {tp} {problem} of the model")
 
 
 def _require(ok: bool, key: str, value: Any, why: str) -> None:

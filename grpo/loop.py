@@ -8,6 +8,7 @@ role (generator, trainer, or both when colocated).
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from contextlib import contextmanager
@@ -38,6 +39,7 @@ from grpo.trainer import Trainer
 from grpo.transport import exchange_episodes
 from grpo.weight_sync import WeightSync
 from model import ModelArgs, Transformer, from_hf
+from model.parallelize import tensor_parallel_layout
 from rewards import RewardError
 
 
@@ -155,12 +157,17 @@ class Run:
                 cuda_graphs=gen.cuda_graphs,
                 compile=gen.compile,
                 sync_every=gen.sync_every,
+                tensor_parallel=(roles.generator_tp, roles.tp_group) if roles.generator_tp > 1 else None,
             )
         self.weight_bytes = sum(math.prod(s) for s in shapes.values()) * torch.empty((), dtype=self.dtype).element_size()
         self.weight_sync = None
         if roles.split:
+            layout = None
+            if roles.is_generator and roles.generator_tp > 1:
+                layout = functools.partial(tensor_parallel_layout, args=args, tp=roles.generator_tp, tp_rank=roles.tp_rank)
             self.weight_sync = WeightSync(
-                shapes, roles.trainer_ranks, roles.weight_groups, self.dtype, device, cfg.parallelism.weight_bucket_mb * 2**20
+                shapes, roles.trainer_ranks, roles.weight_groups, self.dtype, device,
+                cfg.parallelism.weight_bucket_mb * 2**20, generator_layout=layout,
             )
         self.greedy = SamplingParams(gen.max_new_tokens, temperature=0.0)
         # (peak FLOP/s of one trainer device, what that figure is), or None: no MFU is reported
@@ -226,10 +233,11 @@ class Run:
         roles = self.roles
         if not roles.is_generator:
             return None, 0.0
-        mine = prompts[roles.generator_ranks.index(roles.rank) :: len(roles.generator_ranks)]
+        # The ranks of a TP group run one engine: each generates the engine's share, the first hands it on.
+        mine = prompts[roles.engine_index :: roles.engines]
         start = time.perf_counter()
         batch = generate_episodes(self.engine, mine, group_size, step, self.tokenizer.pad_id, sampling)
-        return batch, time.perf_counter() - start
+        return (batch if roles.reports_episodes else None), time.perf_counter() - start
 
     def deliver(self, batch: EpisodeBatch | None, num_prompts: int, generate_s: float) -> tuple[EpisodeBatch | None, float]:
         """Hand generated episodes (whole groups) to trainer ranks. Collective over all ranks.
@@ -239,7 +247,7 @@ class Run:
         if roles.split:
             what = f"episodes from {generator_names}" if roles.is_trainer else f"the episode exchange with {trainer_names}"
             with self.waiting(what):
-                return exchange_episodes(batch, roles, math.ceil(num_prompts / len(roles.generator_ranks)), generate_s)
+                return exchange_episodes(batch, roles, math.ceil(num_prompts / roles.engines), generate_s)
         with self.waiting("the other ranks' generation"):
             return batch, reduce({"t": generate_s}, None, dist.ReduceOp.MAX)["t"]
 

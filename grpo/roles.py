@@ -1,7 +1,8 @@
 """Who does what: the generator and trainer ranks of one launch, their meshes and process groups.
 
 split:     ranks [0, g) generate, ranks [g, world) train. Each side gets its own DeviceMesh (FSDP2
-           runs over the trainer mesh; the generator mesh is where tensor parallelism will go), and
+           runs over the trainer mesh), consecutive generator ranks form tensor-parallel groups of
+           generator_tp, one engine each, and
            episodes, weights and control messages each get their own process groups, so one kind
            of traffic never queues behind another.
 colocated: every rank generates and then trains; one mesh over the world.
@@ -33,6 +34,10 @@ class Roles:
     control_group: dist.ProcessGroup | None
     # weight_groups[t] joins trainer_ranks[t] with every generator rank
     weight_groups: list[dist.ProcessGroup]
+    # generator ranks per engine (tensor parallelism); consecutive generator ranks form a group
+    generator_tp: int = 1
+    # this generator's TP group (None without tensor parallelism and on trainer ranks)
+    tp_group: dist.ProcessGroup | None = None
 
     @property
     def is_generator(self) -> bool:
@@ -47,12 +52,35 @@ class Roles:
         return self.mode == "split"
 
     @property
+    def tp_rank(self) -> int:
+        """This generator's rank within its TP group."""
+        return self.generator_ranks.index(self.rank) % self.generator_tp
+
+    @property
+    def engines(self) -> int:
+        """Engines side by side (data parallel): generator ranks / generator_tp."""
+        return len(self.generator_ranks) // self.generator_tp
+
+    @property
+    def engine_index(self) -> int:
+        """Which engine this generator rank is part of."""
+        return self.generator_ranks.index(self.rank) // self.generator_tp
+
+    @property
+    def reports_episodes(self) -> bool:
+        """Whether this rank hands its engine's episodes on: the first rank of each TP group (the
+        others drew the same tokens)."""
+        return self.is_generator and self.tp_rank == 0
+
+    @property
     def leader(self) -> int:
         """The rank that logs metrics and writes files: the first trainer rank."""
         return self.trainer_ranks[0]
 
 
-def build_roles(mode: str, generator_ranks: int, device: torch.device, timeout: timedelta | None = None) -> Roles:
+def build_roles(
+    mode: str, generator_ranks: int, device: torch.device, timeout: timedelta | None = None, generator_tp: int = 1
+) -> Roles:
     """Split the launched world (process group already initialised) into roles.
 
     Every rank calls this with the same arguments; process groups are created in the same order
@@ -79,11 +107,20 @@ def build_roles(mode: str, generator_ranks: int, device: torch.device, timeout: 
     episode_group = dist.new_group(list(range(world)), timeout=timeout)
     control_group = dist.new_group(list(range(world)), timeout=timeout)
     weight_groups = [dist.new_group([t, *generators], timeout=timeout) for t in trainers]
+    if generator_ranks % generator_tp:
+        raise ValueError(f"parallelism.generator_tp = {generator_tp} does not divide {generator_ranks} generator ranks")
+    tp_group = None
+    if generator_tp > 1:
+        for start in range(0, generator_ranks, generator_tp):
+            group = dist.new_group(generators[start : start + generator_tp], timeout=timeout)
+            if start <= rank < start + generator_tp:
+                tp_group = group
     generator_mesh = trainer_mesh = None
     if rank in generators:
         generator_mesh = DeviceMesh.from_group(generator_group, device.type, mesh_dim_names=("generator",))
     else:
         trainer_mesh = DeviceMesh.from_group(trainer_group, device.type, mesh_dim_names=("trainer",))
     return Roles(
-        mode, rank, generators, trainers, generator_mesh, trainer_mesh, episode_group, control_group, weight_groups
+        mode, rank, generators, trainers, generator_mesh, trainer_mesh, episode_group, control_group, weight_groups,
+        generator_tp, tp_group,
     )

@@ -82,6 +82,8 @@ def sync_step(job: Run, step: int, with_samples: bool = False) -> tuple[dict[str
         kept_groups += round_groups
         if kept_groups >= target:
             break
+    if not job.roles.split and job.cfg.generation.release_kv_cache:
+        job.engine.release_cache()
     train_start = time.perf_counter()
     train_metrics = {}
     if job.roles.is_trainer:

@@ -1,8 +1,8 @@
 """Trainer -> generator weight sync, in memory, in fixed-size buckets.
 
 The trainer's parameters are DTensors sharded by FSDP2 over the trainer mesh; the generator's are
-laid out over the generator mesh by their own placements (replicated today; tensor-parallel shards
-later). `redistribute` cannot cross meshes, so the route is computed explicitly: every shard is a
+laid out over the generator mesh by their own placements: replicated, or the tensor-parallel
+shards of model/parallelize.py's plan (column and row splits, K/V heads replicated within a group). `redistribute` cannot cross meshes, so the route is computed explicitly: every shard is a
 box of index ranges derived from (global shape, placements, mesh shape, coordinate) with
 `torch.chunk` semantics, the same rule FSDP2 uses for uneven first dimensions. Both sides compute
 the same bucket plan from parameter shapes alone, so no metadata travels at sync time.
@@ -16,7 +16,7 @@ No rank holds more than one bucket beyond its own shard.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -115,7 +115,8 @@ class WeightSync:
     trainer_ranks: global ranks of the trainer mesh, in mesh order; groups[t]: the process group
     joining trainer rank trainer_ranks[t] with every generator rank (created on all ranks).
     generator_placements / generator_mesh_shape / generator_coordinate describe this generator's
-    layout (Replicate: it needs every element).
+    layout (Replicate: it needs every element); generator_layout(name), when given, returns that
+    triple per parameter instead (a tensor-parallel engine: model/parallelize.py's plan).
     """
 
     def __init__(
@@ -129,14 +130,16 @@ class WeightSync:
         generator_placements: Sequence[Placement] = (Replicate(),),
         generator_mesh_shape: Sequence[int] = (1,),
         generator_coordinate: Sequence[int] = (0,),
+        generator_layout: Callable[[str], tuple[Sequence[Placement], Sequence[int], Sequence[int]]] | None = None,
     ):
         self.trainer_ranks, self.groups = trainer_ranks, groups
         self.dtype, self.device = dtype, device
         bucket_numel = max(1, bucket_bytes // torch.empty((), dtype=dtype).element_size())
         self.plans = plan_buckets(shapes, (Shard(0),), len(trainer_ranks), bucket_numel)
         self.bucket_numel = max((_bucket_numel(b) for p in self.plans for b in p), default=1)
+        uniform = (generator_placements, generator_mesh_shape, generator_coordinate)
         self._gen_boxes = {
-            name: shard_box(shape, generator_placements, generator_mesh_shape, generator_coordinate)
+            name: shard_box(shape, *(generator_layout(name) if generator_layout else uniform))
             for name, shape in shapes.items()
         }
         self.total_bytes = sum(math.prod(s) for s in shapes.values()) * torch.empty((), dtype=dtype).element_size()

@@ -1,4 +1,5 @@
-"""Parallelism applied to the native model from outside: FSDP2, activation checkpointing, compile.
+"""Parallelism applied to the native model from outside: FSDP2, activation checkpointing, compile
+for the trainer; the tensor-parallel plan for the generator's engine.
 
 `model.py` knows nothing of any of this; callers build the model in fp32 (the master weights) and
 hand it here with a mesh.
@@ -6,13 +7,17 @@ hand it here with a mesh.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 from torch.utils.checkpoint import checkpoint
 
+from model.args import ModelArgs
 from model.model import Transformer
 
 
@@ -64,3 +69,68 @@ def compile_blocks(model: Transformer) -> None:
     for block in model.layers:
         block.attention_inputs = torch.compile(block.attention_inputs, dynamic=True)
         block.after_attention = torch.compile(block.after_attention, dynamic=True)
+
+
+# Tensor parallelism for the generator's engine. A TP group of `tp` ranks holds one engine: query
+# heads, K/V heads and the SwiGLU width split evenly (Megatron's column-parallel q/k/v and w1/w3,
+# row-parallel wo and w2, whose partial outputs are summed over the group); K/V heads replicated
+# when there are fewer than tp, each rank keeping the one its query heads use. Embeddings, norms
+# and the output head stay whole: sampling needs each token's full row of logits, and a sharded
+# head would cost a gather per decode step for a matrix that is a small part of the model.
+_COLUMN_PARALLEL = ("attention.wq.", "feed_forward.w1.", "feed_forward.w3.")
+_KV = ("attention.wk.", "attention.wv.")
+_ROW_PARALLEL = ("attention.wo.weight", "feed_forward.w2.weight")
+
+
+def tensor_parallel_problem(args: ModelArgs, tp: int) -> str | None:
+    """Why a TP group of `tp` cannot hold this model, or None when it can."""
+    if tp < 1:
+        return f"must be >= 1, got {tp}"
+    if args.n_heads % tp:
+        return f"does not divide the {args.n_heads} query heads"
+    if args.ffn_dim % tp:
+        return f"does not divide the SwiGLU width {args.ffn_dim}"
+    if args.n_kv_heads % tp and tp % args.n_kv_heads:
+        return f"neither divides nor is a multiple of the {args.n_kv_heads} K/V heads"
+    return None
+
+
+def tensor_parallel_args(args: ModelArgs, tp: int) -> ModelArgs:
+    """The shapes one rank of a TP group of `tp` holds (a model of these args is its shard)."""
+    problem = tensor_parallel_problem(args, tp)
+    if problem:
+        raise ValueError(f"tensor parallelism {tp} {problem}")
+    return dataclasses.replace(
+        args, n_heads=args.n_heads // tp, n_kv_heads=max(1, args.n_kv_heads // tp), ffn_dim=args.ffn_dim // tp
+    )
+
+
+def tensor_parallel_layout(
+    name: str, args: ModelArgs, tp: int, tp_rank: int
+) -> tuple[tuple[Placement, ...], tuple[int, ...], tuple[int, ...]]:
+    """(placements, mesh shape, coordinate) of parameter `name` on rank tp_rank of a TP group:
+    where its shard sits in the whole tensor, in DTensor's terms (torch.chunk splits). Replicated
+    K/V heads are a 2-D mesh (K/V heads, ranks sharing one) with the second dimension replicated."""
+    if any(key in name for key in _COLUMN_PARALLEL):
+        return (Shard(0),), (tp,), (tp_rank,)
+    if any(key in name for key in _KV):
+        if args.n_kv_heads >= tp:
+            return (Shard(0),), (tp,), (tp_rank,)
+        share = tp // args.n_kv_heads
+        return (Shard(0), Replicate()), (args.n_kv_heads, share), (tp_rank // share, tp_rank % share)
+    if any(name.endswith(key) for key in _ROW_PARALLEL):
+        return (Shard(1),), (tp,), (tp_rank,)
+    return (Replicate(),), (tp,), (tp_rank,)
+
+
+def apply_tensor_parallel(model: Transformer, group: dist.ProcessGroup) -> None:
+    """Sum the row-parallel outputs (attention's wo, SwiGLU's w2) of a TP shard over `group`, in
+    place, so every rank carries the whole residual stream. `model` holds this rank's shard."""
+
+    def all_reduce(module: torch.nn.Module, inputs, output: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(output, group=group)
+        return output
+
+    for block in model.layers:
+        block.attention.wo.register_forward_hook(all_reduce)
+        block.feed_forward.w2.register_forward_hook(all_reduce)

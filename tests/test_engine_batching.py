@@ -153,3 +153,19 @@ def test_the_host_looks_when_budgets_say_so(ref):
     # 6 ends after 5 decode steps (its first token is the prefill's) and a 3 takes its slot; that 3
     # ends 2 steps later and the other 3 takes it; then nothing waits, and 11 has 3 steps left.
     assert runs == [(2, 5), (2, 2), (2, 3)]
+
+
+@pytest.mark.parametrize("max_seq_len", [None, 40], ids=["auto-sized", "fixed"])
+def test_released_cache_comes_back_with_the_same_slots_and_completions(ref, max_seq_len):
+    """release_cache frees the K/V buffers (a colocated trainer gets the memory); the next generation
+    re-establishes the same number of slots, and completions equal those of an engine never released."""
+    sp = SamplingParams(max_new_tokens=6, temperature=1.0)
+    kept = make_engine(ref, sp, max_batch_size=3, max_seq_len=max_seq_len)
+    released = make_engine(ref, sp, max_batch_size=3, max_seq_len=max_seq_len)
+    _same(released.generate(_requests(4, 2)), kept.generate(_requests(4, 2)))
+    slots = released.cache.num_slots
+    released.release_cache()
+    assert released.cache is None and released.decoder is None
+    again = released.generate(_requests(5, 2))
+    assert released.cache.num_slots == slots
+    _same(again, kept.generate(_requests(5, 2)))

@@ -22,6 +22,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
+import torch.distributed as dist
 
 from grpo.engine.cache import SlotCache, slot_bytes, slots_for_budget
 from grpo.engine.decode import DecodeStep
@@ -29,6 +30,7 @@ from grpo.engine.sampling import request_keys, sample, vocab_hash
 from grpo.engine.types import Completion, GenerationOutOfMemory, GenerationRequest, SamplingParams, WeightUpdate
 from model import ModelArgs, Transformer
 from model.attention import check_decode_kernel
+from model.parallelize import apply_tensor_parallel, tensor_parallel_args
 
 
 class NativeEngine:
@@ -44,6 +46,10 @@ class NativeEngine:
     kv_cache_gb: the K/V budget (0 = room for max_batch_size slots, on CUDA at most
         kv_cache_fraction of the free device memory).
     cuda_graphs / compile: CUDA only (CPU always runs eagerly).
+    tensor_parallel: (tp, group): this engine is one rank of a TP group of tp ranks; `args` are the
+        whole model's, the engine holds this rank's shard (model/parallelize.py) and its share of
+        the K/V heads in the cache. Every rank of the group runs the same requests and draws the
+        same tokens (the logits are whole and equal on every rank).
     """
 
     def __init__(
@@ -65,6 +71,7 @@ class NativeEngine:
         compile: bool = True,
         sync_every: int = 8,
         prefill_tokens: int = 16384,
+        tensor_parallel: tuple[int, dist.ProcessGroup] | None = None,
     ):
         if stop_strings and decode_text is None:
             raise ValueError("stop strings need a decode_text function to read the completion text")
@@ -76,11 +83,15 @@ class NativeEngine:
         self.kv_cache_gb, self.kv_cache_fraction = kv_cache_gb, kv_cache_fraction
         self.sync_every, self.prefill_tokens = sync_every, prefill_tokens
         on_cuda = self.device.type == "cuda"
+        if tensor_parallel is not None:
+            args = self.args = tensor_parallel_args(args, tensor_parallel[0])
         check_decode_kernel(args.n_heads, args.n_kv_heads, args.head_dim, self.device, dtype)
         self.use_graphs, self.use_compile = cuda_graphs and on_cuda, compile and on_cuda
         with torch.device("meta"):
             self.model = Transformer(args, dtype=dtype)
         self.model.to_empty(device=self.device)
+        if tensor_parallel is not None:
+            apply_tensor_parallel(self.model, tensor_parallel[1])
         self.model.keep_rope_on(self.device)
         self.model.fuse_projections()
         self.model.eval().requires_grad_(False)
@@ -92,6 +103,8 @@ class NativeEngine:
         self.cache: SlotCache | None = None
         self.decoder: DecodeStep | None = None
         self._auto_size = max_seq_len is None
+        # (max_len, num_slots) of a cache freed by release_cache, to re-establish before generating
+        self._released: tuple[int, int] | None = None
         if max_seq_len is not None:
             self._allocate(max_seq_len)
         self.version = -1
@@ -112,11 +125,26 @@ class NativeEngine:
             layer.after_attention = torch.compile(layer.after_attention, dynamic=True)
         self._sample = torch.compile(sample, dynamic=True)
 
-    def _allocate(self, max_seq_len: int) -> None:
-        """Allocate the KV cache: as many slots of max_seq_len tokens as the budget holds."""
+    def release_cache(self) -> None:
+        """Free the KV cache and the decode graphs captured on it, so that a colocated trainer can
+        use the memory. The next poll allocates the same slots again (graphs recaptured on demand)."""
+        if self.cache is None:
+            return
+        self._released = (self.cache.max_len, self.cache.num_slots)
+        self.decoder.release()
+        self.cache = self.decoder = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _allocate(self, max_seq_len: int, num_slots: int | None = None) -> None:
+        """Allocate the KV cache: as many slots of max_seq_len tokens as the budget holds (or
+        `num_slots`, when re-establishing a released cache)."""
         if self.decoder is not None:
             self.decoder.release()
         self.cache = self.decoder = None
+        if num_slots is not None:
+            self._build_cache(max_seq_len, num_slots)
+            return
         per_slot = slot_bytes(self.args, max_seq_len, self.dtype)
         if self.kv_cache_gb > 0:
             budget = int(self.kv_cache_gb * 1e9)
@@ -132,6 +160,9 @@ class NativeEngine:
                 f"({2 * per_slot / 1e9:.3g} GB needed for one slot plus the scratch slot); raise "
                 f"generation.kv_cache_gb or lower generation.max_seq_len"
             )
+        self._build_cache(max_seq_len, num_slots)
+
+    def _build_cache(self, max_seq_len: int, num_slots: int) -> None:
         self.cache = SlotCache(self.args, num_slots, max_seq_len, self.dtype, self.device)
         self.decoder = DecodeStep(
             self.model, self.cache, self._sample, self._token_hash, self.eos_ids, num_slots, self.use_graphs
@@ -179,6 +210,9 @@ class NativeEngine:
         if self.paused:
             return []
         queued, self._queue = self._queue, []
+        if queued and self.cache is None and self._released is not None:
+            # Same slots as before the release: the free memory now says nothing about the trainer's needs.
+            self._allocate(*self._released)
         if queued and self._auto_size:
             need = max(len(r.prompt_tokens) + self._budget(r, sp) for r, sp in queued)
             if self.cache is None or need > self.cache.max_len:
