@@ -13,7 +13,11 @@ import torch.distributed as dist
 from grpo.engine import GenerationRequest, NativeEngine, SamplingParams
 from grpo.weight_sync import _slices, shard_box
 from model import ModelArgs, Transformer
-from model.parallelize import tensor_parallel_args, tensor_parallel_layout, tensor_parallel_problem
+from model.parallelize import (
+    tensor_parallel_args,
+    tensor_parallel_layout,
+    tensor_parallel_problem,
+)
 from tests.dist_utils import run_ranks
 
 BASE = ModelArgs(vocab_size=48, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=64)

@@ -27,7 +27,13 @@ import torch.distributed as dist
 from grpo.engine.cache import SlotCache, slot_bytes, slots_for_budget
 from grpo.engine.decode import DecodeStep
 from grpo.engine.sampling import request_keys, sample, vocab_hash
-from grpo.engine.types import Completion, GenerationOutOfMemory, GenerationRequest, SamplingParams, WeightUpdate
+from grpo.engine.types import (
+    Completion,
+    GenerationOutOfMemory,
+    GenerationRequest,
+    SamplingParams,
+    WeightUpdate,
+)
 from model import ModelArgs, Transformer
 from model.attention import check_decode_kernel
 from model.parallelize import apply_tensor_parallel, tensor_parallel_args
