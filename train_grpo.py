@@ -28,6 +28,7 @@ from grpo.faults import (
     PeerLost,
     StartupError,
     check_output_dir,
+    check_shared_output_dir,
     is_connection_lost,
     peer_lost,
     restart_count,
@@ -104,6 +105,7 @@ def run(cfg: Config, stop: GracefulStop) -> None:
         # Start-up checks come before any model is built or loaded, and nothing in the output folder
         # is written before they pass.
         check_output_dir(cfg.job.output_dir, roles.rank)
+        check_shared_output_dir(cfg.job.output_dir, roles.rank, roles.leader)
         is_leader = roles.rank == roles.leader
         lock = take_output_lock(cfg.job.output_dir, is_leader)
         try:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -111,6 +113,32 @@ def check_output_dir(path: str | Path, rank: int) -> None:
         probe.unlink()
     except OSError as error:
         raise StartupError(f"job.output_dir = {str(path)!r} is not writable: {error.strerror or error}") from None
+
+
+def check_shared_output_dir(path: str | Path, rank: int, leader: int) -> None:
+    """Raise StartupError on every rank unless all ranks see one and the same `path`: the leader
+    writes a fresh token there and each rank reads it back (a multi-node run without a shared file
+    system would otherwise write divergent checkpoints). Collective over the launch."""
+    marker = Path(path) / ".launch-check"
+    token = [uuid.uuid4().hex if rank == leader else ""]
+    dist.broadcast_object_list(token, src=leader)
+    if rank == leader:
+        marker.write_text(token[0])
+    dist.barrier()
+    try:
+        sees = marker.read_text() == token[0]
+    except OSError:
+        sees = False
+    views: list = [None] * dist.get_world_size()
+    dist.all_gather_object(views, (sees, socket.gethostname()))
+    if rank == leader:
+        marker.unlink()
+    blind = [f"rank {r} on {host}" for r, (ok, host) in enumerate(views) if not ok]
+    if blind:
+        raise StartupError(
+            f"job.output_dir = {str(path)!r} is not one folder for every rank: {', '.join(blind)} cannot see "
+            f"what rank {leader} wrote there; a multi-node run needs job.output_dir on a file system every node mounts"
+        )
 
 
 def check_free_disk(path: str | Path, needed_bytes: int) -> None:
