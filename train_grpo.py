@@ -105,10 +105,11 @@ def run(cfg: Config, stop: GracefulStop) -> None:
         # Start-up checks come before any model is built or loaded, and nothing in the output folder
         # is written before they pass.
         check_output_dir(cfg.job.output_dir, roles.rank)
-        check_shared_output_dir(cfg.job.output_dir, roles.rank, roles.leader)
         is_leader = roles.rank == roles.leader
         lock = take_output_lock(cfg.job.output_dir, is_leader)
         try:
+            # After the lock: a run refused for a busy folder must not write into it.
+            check_shared_output_dir(cfg.job.output_dir, roles.rank, roles.leader)
             resume = find_resume(cfg.job.output_dir, cfg.checkpoint.resume, announce=is_leader)
             if cfg.job.deterministic:
                 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -117,6 +118,7 @@ def run(cfg: Config, stop: GracefulStop) -> None:
             if roles.is_trainer:
                 r = cfg.rewards
                 scorer = Scorer(r.functions, r.weights, r.timeout_s, r.num_workers, on_error=r.on_error)
+            job = None
             try:
                 job = Run(cfg, device, roles, scorer, resume)
                 if is_leader:
@@ -126,6 +128,8 @@ def run(cfg: Config, stop: GracefulStop) -> None:
                 # the report and its last lines.
                 dist.barrier()
             finally:
+                if job is not None and job.engine is not None:
+                    job.engine.close()
                 if scorer is not None:
                     scorer.close()
         finally:

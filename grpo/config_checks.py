@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from grpo.engine.vllm_engine import vllm_problem
 from grpo.gym import check_gym_config, is_gym_path
 from model.args import ModelArgs
 from model.parallelize import tensor_parallel_problem
@@ -186,6 +187,7 @@ def validate_config(cfg: Config, world_size: int) -> None:
     _require(mt.samples_prompts >= 1, "metrics.samples_prompts", mt.samples_prompts, "must be >= 1")
     _require(mt.peak_tflops >= 0, "metrics.peak_tflops", mt.peak_tflops, "must be >= 0 (0 = built-in table)")
 
+    _check_vllm(cfg)
     prompts = d.prompts_per_step
     par = cfg.parallelism
     _require(par.weight_bucket_mb >= 1, "parallelism.weight_bucket_mb", par.weight_bucket_mb, "must be >= 1")
@@ -231,6 +233,34 @@ def validate_config(cfg: Config, world_size: int) -> None:
         f"is not divisible by grpo.minibatches = {p.minibatches} (a minibatch holds whole groups); "
         f"set --grpo.minibatches to a divisor of {prompts}",
     )
+
+
+def _check_vllm(cfg: Config) -> None:
+    """The vLLM engine: installed, a head size it serves, a bounded KV space, one rank per engine."""
+    g = cfg.generation
+    if g.engine != "vllm":
+        return
+    device = cfg.job.device if cfg.job.device != "auto" else ("cuda" if _cuda_available() else "cpu")
+    if cfg.model.path:
+        head_dim = ModelArgs.from_hf_dir(cfg.model.path).head_dim
+    else:
+        head_dim = cfg.model.dim // cfg.model.n_heads
+    problem = vllm_problem(head_dim, device)
+    if problem:
+        raise ConfigError(f'generation.engine = "vllm" {problem}')
+    if g.kv_cache_gb <= 0:
+        raise ConfigError(
+            'generation.engine = "vllm" needs generation.kv_cache_gb > 0: vLLM\'s KV space, which otherwise '
+            "takes most of the device's memory"
+        )
+    if cfg.parallelism.generator_tp != 1:
+        raise ConfigError('generation.engine = "vllm" runs one generator rank per engine (parallelism.generator_tp = 1)')
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _check_generator_tp(cfg: Config) -> None:

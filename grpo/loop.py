@@ -139,7 +139,23 @@ class Run:
                 reference=reference,
             )
         gen = cfg.generation
-        if roles.is_generator:
+        if roles.is_generator and gen.engine == "vllm":
+            from grpo.engine.vllm_engine import VLLMEngine
+
+            self.engine = VLLMEngine(
+                args,
+                SamplingParams(gen.max_new_tokens, gen.temperature, gen.top_p, gen.top_k),
+                eos_ids=self.tokenizer.eos_ids,
+                seed=cfg.job.seed,
+                dtype=self.dtype,
+                device=device,
+                kv_cache_gb=gen.kv_cache_gb,
+                max_seq_len=gen.max_seq_len or self.task.max_prompt_tokens + gen.max_new_tokens,
+                max_batch_size=gen.max_batch_size,
+                stop_strings=gen.stop,
+                decode_text=self.tokenizer.decode,
+            )
+        elif roles.is_generator:
             self.engine = NativeEngine(
                 args,
                 SamplingParams(gen.max_new_tokens, gen.temperature, gen.top_p, gen.top_k),

@@ -280,10 +280,21 @@ class Transformer(nn.Module):
         cache-aware attention (it stores k and v and attends over whatever the cache holds).
         logits_index [M] picks the tokens whose logits are wanted -> [M, V].
         """
+        h = self.decode_hidden(tokens, positions, attend)
+        h = h if logits_index is None else h[logits_index]
+        return F.linear(h, self.output_weight)
+
+    def decode_hidden(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        attend: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
+        """`decode` up to the final norm: tokens, positions [N] -> normalised hidden states [N, dim]
+        (an engine that computes logits itself, e.g. vLLM, takes them from here)."""
         h = self.tok_embeddings(tokens)[None]
         cos, sin = rope_tables(self._inv_freq, positions[None], h.dtype)
         for i, layer in enumerate(self.layers):
             q, k, v = layer.attention_inputs(h, cos, sin)
             h = layer.after_attention(h, attend(i, q[0], k[0], v[0])[None])
-        h = h[0] if logits_index is None else h[0, logits_index]
-        return F.linear(self.norm(h), self.output_weight)
+        return self.norm(h[0])

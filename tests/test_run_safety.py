@@ -42,8 +42,13 @@ def our_traceback(stderr: str) -> bool:
 
 
 def snapshot(run_dir: Path) -> dict[str, bytes]:
-    """Every file under run_dir with its bytes."""
-    return {str(p.relative_to(run_dir)): p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()}
+    """Every file under run_dir with its bytes, but for checkpoints still being written (a running
+    run renames them away while we read)."""
+    return {
+        str(p.relative_to(run_dir)): p.read_bytes()
+        for p in sorted(run_dir.rglob("*"))
+        if p.is_file() and not any(part.startswith(".tmp-") for part in p.relative_to(run_dir).parts)
+    }
 
 
 # ------------------------------------------------------------------------------ 1. one run per folder

@@ -8,6 +8,12 @@ resume / close. `NativeEngine` (native.py) is ours; the pieces it is built from:
 """
 
 from grpo.engine.native import NativeEngine
-from grpo.engine.types import Completion, GenerationOutOfMemory, GenerationRequest, SamplingParams, WeightUpdate
+from grpo.engine.types import (
+    Completion,
+    GenerationOutOfMemory,
+    GenerationRequest,
+    SamplingParams,
+    WeightUpdate,
+)
 
 __all__ = ["Completion", "GenerationOutOfMemory", "GenerationRequest", "NativeEngine", "SamplingParams", "WeightUpdate"]
