@@ -139,42 +139,34 @@ class Run:
                 reference=reference,
             )
         gen = cfg.generation
-        if roles.is_generator and gen.engine == "vllm":
-            from grpo.engine.vllm_engine import VLLMEngine
+        if roles.is_generator:
+            engine_options = dict(
+                sampling=SamplingParams(gen.max_new_tokens, gen.temperature, gen.top_p, gen.top_k),
+                eos_ids=self.tokenizer.eos_ids,
+                seed=cfg.job.seed,
+                dtype=self.dtype,
+                device=device,
+                stop_strings=gen.stop,
+                decode_text=self.tokenizer.decode,
+                max_batch_size=gen.max_batch_size,
+                max_seq_len=gen.max_seq_len or self.task.max_prompt_tokens + gen.max_new_tokens,
+                kv_cache_gb=gen.kv_cache_gb,
+            )
+            if gen.engine == "vllm":
+                from grpo.engine.vllm_engine import VLLMEngine
 
-            self.engine = VLLMEngine(
-                args,
-                SamplingParams(gen.max_new_tokens, gen.temperature, gen.top_p, gen.top_k),
-                eos_ids=self.tokenizer.eos_ids,
-                seed=cfg.job.seed,
-                dtype=self.dtype,
-                device=device,
-                kv_cache_gb=gen.kv_cache_gb,
-                max_seq_len=gen.max_seq_len or self.task.max_prompt_tokens + gen.max_new_tokens,
-                max_batch_size=gen.max_batch_size,
-                stop_strings=gen.stop,
-                decode_text=self.tokenizer.decode,
-            )
-        elif roles.is_generator:
-            self.engine = NativeEngine(
-                args,
-                SamplingParams(gen.max_new_tokens, gen.temperature, gen.top_p, gen.top_k),
-                eos_ids=self.tokenizer.eos_ids,
-                seed=cfg.job.seed,
-                dtype=self.dtype,
-                device=device,
-                stop_strings=gen.stop,
-                decode_text=self.tokenizer.decode,
-                max_batch_size=gen.max_batch_size,
-                max_seq_len=gen.max_seq_len or self.task.max_prompt_tokens + gen.max_new_tokens,
-                kv_cache_gb=gen.kv_cache_gb,
-                kv_cache_fraction=gen.kv_cache_fraction,
-                share_prefix=gen.share_prefix,
-                cuda_graphs=gen.cuda_graphs,
-                compile=gen.compile,
-                sync_every=gen.sync_every,
-                tensor_parallel=(roles.generator_tp, roles.tp_group) if roles.generator_tp > 1 else None,
-            )
+                self.engine = VLLMEngine(args, **engine_options)
+            else:
+                self.engine = NativeEngine(
+                    args,
+                    **engine_options,
+                    kv_cache_fraction=gen.kv_cache_fraction,
+                    share_prefix=gen.share_prefix,
+                    cuda_graphs=gen.cuda_graphs,
+                    compile=gen.compile,
+                    sync_every=gen.sync_every,
+                    tensor_parallel=(roles.generator_tp, roles.tp_group) if roles.generator_tp > 1 else None,
+                )
         self.weight_bytes = sum(math.prod(s) for s in shapes.values()) * torch.empty((), dtype=self.dtype).element_size()
         self.weight_sync = None
         if roles.split:
