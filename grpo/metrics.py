@@ -41,7 +41,6 @@ REDUCTIONS: dict[str, str] = {
     "logprob_diff/mean": "mean",
     "logprob_diff/max": "max",
     "tis/": "mean",  # token means of the importance weights
-    "memory/": "max",  # peak device memory per phase: the fullest rank
     "staleness/": "mean",  # episode means: updates between an episode's policy and the one it trains
     "staleness/max": "max",
     "optimizer/": "max",  # the learning rate: the same on every rank
