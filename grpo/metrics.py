@@ -40,6 +40,7 @@ REDUCTIONS: dict[str, str] = {
     "loss/ratio_max": "max",
     "logprob_diff/mean": "mean",
     "logprob_diff/max": "max",
+    "logprob_diff/exact_frac": "mean",
     "tis/": "mean",  # token means of the importance weights
     "staleness/": "mean",  # episode means: updates between an episode's policy and the one it trains
     "staleness/max": "max",

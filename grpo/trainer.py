@@ -238,6 +238,7 @@ class Trainer:
                         diff = (old - gen).abs() * mask
                         tally.add("diff_sum", diff.sum())
                         tally.max("diff_max", diff.max())
+                        tally.add("diff_exact", ((old == gen) & (mask > 0)).sum())
                 loss, grad_norm, reason = self._update(local_loss)
                 if reason:
                     skipped += 1
@@ -262,6 +263,7 @@ class Trainer:
             "loss/grad_norm": _mean(grad_norms),
             "logprob_diff/mean": diff_total / (tokens / self.grpo.num_iterations),
             "logprob_diff/max": diff_max,
+            "logprob_diff/exact_frac": summed.get("diff_exact", 0.0) / (tokens / self.grpo.num_iterations),
             "optimizer/lr": lr,
             "train/skipped_updates": float(skipped),
         }
@@ -348,7 +350,7 @@ class _Tally:
     def global_values(self, group) -> tuple[dict[str, float], dict[str, float]]:
         """(sums, maxima) over every rank of group. Collective: every rank must have tallied the
         same keys (a rank with no micro-batches has none, and then takes part with zeros)."""
-        keys = (*SUMMED_STATS, "diff_sum")
+        keys = (*SUMMED_STATS, "diff_sum", "diff_exact")
         zero = torch.zeros((), dtype=torch.float64, device=self.device)
         sums = torch.stack([self.sums.get(k, zero) for k in keys])
         maxima = torch.stack([self.maxima.get(k, zero) for k in ("ratio_max", "diff_max")])

@@ -433,3 +433,35 @@ def test_two_ranks_minibatches_match_single_process(dist_results, reference):
         got, metrics = rank_result(rank_results, "minibatches2")
         assert_weights_close(got, weights, initial_weights())
         check_metrics(metrics, stats, updates=2)
+
+
+# ------------------------------------------------------------------ logprob_diff/exact_frac
+
+
+def test_exact_frac_counts_tokens_whose_generator_logprob_equals_pi_old_bitwise():
+    """gen_logprobs set to the trainer's own π_old (same packing, same forward) on the episodes of
+    two groups and nudged by 1e-3 on the others: exact_frac is the first share of completion tokens,
+    and logprob_diff/max is the nudge."""
+    batch = make_batch()
+    with single_process_group():
+        mesh = init_device_mesh("cpu", (1,))
+        trainer = Trainer(build_model(), mesh, torch.device("cpu"), torch.float32, grpo_config(), optim_config(),
+                          total_steps=10, micro_batch_tokens=SMALL, temperature=TEMPERATURE, max_new_tokens=8)
+        exact_groups = {10, 12}
+        # The trainer's micro-batches, and which batch episodes each packs (doc ids count within it).
+        (micro_batches,) = trainer._micro_batches(batch)
+        chunks = plan_micro_batches((batch.seq_lens - 1).tolist(), SMALL)
+        assert len(chunks) == len(micro_batches) > 1
+        with torch.no_grad():
+            for mb, chunk in zip(micro_batches, chunks):
+                rows = mb.rows
+                logprobs = trainer._forward(rows).logprobs
+                for r, c in (rows.loss_mask > 0).nonzero().tolist():
+                    i = chunk[int(rows.doc_ids[r, c])]
+                    nudge = 0.0 if int(batch.prompt_index[i]) in exact_groups else 1e-3
+                    # target (r, c) is token positions[r, c] + 1 of episode i
+                    batch.gen_logprobs[i, int(rows.positions[r, c]) + 1] = logprobs[r, c] + nudge
+        metrics = trainer.train(batch)
+    tokens = [sum(c) for c in COMPLETION_LENS]
+    assert metrics["logprob_diff/exact_frac"] == pytest.approx((tokens[0] + tokens[2]) / sum(tokens), abs=1e-12)
+    assert metrics["logprob_diff/max"] == pytest.approx(1e-3, rel=1e-3)
