@@ -42,6 +42,8 @@ from model.hf import save_hf
 CHECKPOINTS = "checkpoints"
 RUN_STATE = "run_state.json"
 _TRAINER = "trainer"
+# the async schedule's batches generated ahead, one file per generator rank
+_INFLIGHT = "inflight"
 _STEP_DIR = re.compile(r"step_(\d+)")
 
 
@@ -205,7 +207,8 @@ def save_checkpoint(
     if inflight is not None:
         batches = {step: (None if b is None else {f.name: getattr(b, f.name) for f in fields(b)}, seconds)
                    for step, (b, seconds) in inflight.items()}
-        torch.save(batches, tmp / "rng" / f"inflight_rank_{dist.get_rank()}.pt")
+        (tmp / _INFLIGHT).mkdir(exist_ok=True)  # by each generator rank: only async checkpoints have it
+        torch.save(batches, tmp / _INFLIGHT / f"rank_{dist.get_rank()}.pt")
     _everyone()
     if is_writer:
         if trainer is not None:
@@ -249,7 +252,7 @@ def load_checkpoint(path: Path, trainer: Trainer | None, trainer_group: dist.Pro
 def load_inflight(path: Path) -> dict[int, tuple[EpisodeBatch | None, float]] | None:
     """This rank's in-flight generation batches saved in checkpoint `path` (None if it saved none).
     They are this rank's share of the prompts: the caller checks that the launch has the same shape."""
-    file = path / "rng" / f"inflight_rank_{dist.get_rank()}.pt"
+    file = path / _INFLIGHT / f"rank_{dist.get_rank()}.pt"
     if not file.is_file():
         return None
     saved = torch.load(file, weights_only=True)

@@ -241,11 +241,7 @@ def _check_vllm(cfg: Config) -> None:
     if g.engine != "vllm":
         return
     device = cfg.job.device if cfg.job.device != "auto" else ("cuda" if _cuda_available() else "cpu")
-    if cfg.model.path:
-        head_dim = ModelArgs.from_hf_dir(cfg.model.path).head_dim
-    else:
-        head_dim = cfg.model.dim // cfg.model.n_heads
-    problem = vllm_problem(head_dim, device)
+    problem = vllm_problem(_model_shape(cfg).head_dim, device)
     if problem:
         raise ConfigError(f'generation.engine = "vllm" {problem}')
     if g.kv_cache_gb <= 0:
@@ -257,6 +253,16 @@ def _check_vllm(cfg: Config) -> None:
         raise ConfigError('generation.engine = "vllm" runs one generator rank per engine (parallelism.generator_tp = 1)')
 
 
+def _model_shape(cfg: Config) -> ModelArgs:
+    """The head and width counts of the model the run will build: the checkpoint's, or the built-in
+    shape's (whose heads split model.dim evenly)."""
+    m = cfg.model
+    if m.path:
+        return ModelArgs.from_hf_dir(m.path)
+    return ModelArgs(dim=m.dim, n_heads=m.n_heads, n_kv_heads=m.n_kv_heads, head_dim=m.dim // m.n_heads,
+                     ffn_dim=m.ffn_dim)
+
+
 def _cuda_available() -> bool:
     import torch
 
@@ -265,7 +271,7 @@ def _cuda_available() -> bool:
 
 def _check_generator_tp(cfg: Config) -> None:
     """A TP group must split the generator ranks into whole engines and the model into equal shards."""
-    par, m = cfg.parallelism, cfg.model
+    par = cfg.parallelism
     tp = par.generator_tp
     _require(tp >= 1, "parallelism.generator_tp", tp, "must be >= 1")
     if par.generator_ranks % tp:
@@ -275,11 +281,7 @@ def _check_generator_tp(cfg: Config) -> None:
         )
     if tp == 1:
         return
-    if m.path:
-        args = ModelArgs.from_hf_dir(m.path)
-    else:
-        args = ModelArgs(n_heads=m.n_heads, n_kv_heads=m.n_kv_heads, ffn_dim=m.ffn_dim)
-    problem = tensor_parallel_problem(args, tp)
+    problem = tensor_parallel_problem(_model_shape(cfg), tp)
     if problem:
         raise ConfigError(f"parallelism.generator_tp = {tp} {problem} of the model")
 

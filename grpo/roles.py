@@ -100,6 +100,8 @@ def build_roles(
             f"parallelism.generator_ranks = {generator_ranks} with world size {world}: "
             f"set it between 1 and {world - 1}"
         )
+    if generator_ranks % generator_tp:
+        raise ValueError(f"parallelism.generator_tp = {generator_tp} does not divide {generator_ranks} generator ranks")
     generators = list(range(generator_ranks))
     trainers = list(range(generator_ranks, world))
     generator_group = dist.new_group(generators, timeout=timeout)
@@ -107,8 +109,6 @@ def build_roles(
     episode_group = dist.new_group(list(range(world)), timeout=timeout)
     control_group = dist.new_group(list(range(world)), timeout=timeout)
     weight_groups = [dist.new_group([t, *generators], timeout=timeout) for t in trainers]
-    if generator_ranks % generator_tp:
-        raise ValueError(f"parallelism.generator_tp = {generator_tp} does not divide {generator_ranks} generator ranks")
     tp_group = None
     if generator_tp > 1:
         for start in range(0, generator_ranks, generator_tp):
