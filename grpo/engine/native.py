@@ -33,6 +33,7 @@ from grpo.engine.types import (
     GenerationRequest,
     SamplingParams,
     WeightUpdate,
+    stop_length,
 )
 from model import ModelArgs, Transformer
 from model.attention import check_decode_kernel
@@ -424,10 +425,8 @@ class NativeEngine:
         found = {}
         for i, slot in enumerate(slots):
             last = generated[i] - 1 if eos[i] else generated[i]
-            for t in range(checked[slot], last):
-                text = self.decode_text(tokens[i, : t + 1].tolist())
-                if any(stop in text for stop in self.stop_strings):
-                    found[slot] = t + 1
-                    break
+            n = stop_length(tokens[i].tolist(), checked[slot], last, self.stop_strings, self.decode_text)
+            if n is not None:
+                found[slot] = n
             checked[slot] = last
         return found

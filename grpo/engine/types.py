@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -51,3 +52,16 @@ class Completion:
     logprobs: list[float]
     finish_reason: str
     version: int
+
+
+def stop_length(
+    tokens: Sequence[int], start: int, end: int, stop_strings: Sequence[str], decode_text: Callable[[list[int]], str]
+) -> int | None:
+    """The completion length that ends at the first stop string: the smallest n in (start, end]
+    whose decoded prefix tokens[:n] contains one (prefixes up to `start` were checked before), or
+    None. Every engine ends completions by this rule."""
+    for n in range(start + 1, end + 1):
+        text = decode_text(list(tokens[:n]))
+        if any(stop in text for stop in stop_strings):
+            return n
+    return None

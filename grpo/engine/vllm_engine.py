@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import shutil
 import sys
@@ -39,6 +40,7 @@ from grpo.engine.types import (
     GenerationRequest,
     SamplingParams,
     WeightUpdate,
+    stop_length,
 )
 from model import ModelArgs, Transformer
 
@@ -100,8 +102,8 @@ class VLLMEngine:
         self._staged: dict[str, torch.Tensor] = {}
         kv = {}
         if self.device.type == "cpu":
-            # vLLM's CPU KV space (GiB), read from the environment when the engine starts.
-            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(kv_cache_gb)))
+            # vLLM's CPU KV space, read from the environment when the engine starts, in whole GiB.
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(math.ceil(kv_cache_gb))
         else:
             kv = dict(kv_cache_memory_bytes=int(kv_cache_gb * 2**30))
         # The engine core in a process of its own: see the module docstring.
@@ -143,19 +145,12 @@ class VLLMEngine:
         tokens = list(out.token_ids)
         logprobs = [float(step[token].logprob) for step, token in zip(out.logprobs, tokens)]
         finish = "eos" if tokens and tokens[-1] in self.eos_ids and out.finish_reason == "stop" else "length"
-        end = self._stop_length(tokens, finish == "eos")
-        if end is not None:
-            tokens, logprobs, finish = tokens[:end], logprobs[:end], "stop"
+        if self.stop_strings:
+            # An EOS token ends by EOS, so it is not checked for a stop string (as in the native engine).
+            end = stop_length(tokens, 0, len(tokens) - (finish == "eos"), self.stop_strings, self.decode_text)
+            if end is not None:
+                tokens, logprobs, finish = tokens[:end], logprobs[:end], "stop"
         return Completion(request, tokens, logprobs, finish, self.version)
-
-    def _stop_length(self, tokens: list[int], ended_by_eos: bool) -> int | None:
-        """The completion length that ends at the first stop string, None if none appears."""
-        if not self.stop_strings:
-            return None
-        for t in range(len(tokens) - 1 if ended_by_eos else len(tokens)):
-            if any(stop in self.decode_text(tokens[: t + 1]) for stop in self.stop_strings):
-                return t + 1
-        return None
 
     @torch.no_grad()
     def update_weights(self, buckets: Iterable[Iterable[WeightUpdate]], version: int) -> None:
