@@ -143,15 +143,11 @@ class NativeEngine:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    def _allocate(self, max_seq_len: int, num_slots: int | None = None) -> None:
-        """Allocate the KV cache: as many slots of max_seq_len tokens as the budget holds (or
-        `num_slots`, when re-establishing a released cache)."""
+    def _allocate(self, max_seq_len: int) -> None:
+        """Allocate the KV cache: as many slots of max_seq_len tokens as the budget holds."""
         if self.decoder is not None:
             self.decoder.release()
         self.cache = self.decoder = None
-        if num_slots is not None:
-            self._build_cache(max_seq_len, num_slots)
-            return
         per_slot = slot_bytes(self.args, max_seq_len, self.dtype)
         if self.kv_cache_gb > 0:
             budget = int(self.kv_cache_gb * 1e9)
@@ -170,6 +166,7 @@ class NativeEngine:
         self._build_cache(max_seq_len, num_slots)
 
     def _build_cache(self, max_seq_len: int, num_slots: int) -> None:
+        """The cache of num_slots slots and the decode step over it."""
         self.cache = SlotCache(self.args, num_slots, max_seq_len, self.dtype, self.device)
         self.decoder = DecodeStep(
             self.model, self.cache, self._sample, self._token_hash, self.eos_ids, num_slots, self.use_graphs
@@ -219,7 +216,7 @@ class NativeEngine:
         queued, self._queue = self._queue, []
         if queued and self.cache is None and self._released is not None:
             # Same slots as before the release: the free memory now says nothing about the trainer's needs.
-            self._allocate(*self._released)
+            self._build_cache(*self._released)
         if queued and self._auto_size:
             need = max(len(r.prompt_tokens) + self._budget(r, sp) for r, sp in queued)
             if self.cache is None or need > self.cache.max_len:
