@@ -1,4 +1,6 @@
-"""The policy trainer: FSDP2 policy with fp32 master weights, AdamW, the GRPO update.
+"""The policy trainer: fp32 master weights (FSDP2-sharded over several ranks), bf16 compute, AdamW,
+the GRPO update. On one rank the masters are not wrapped in FSDP2: `OneRankMixedPrecision` does
+the same arithmetic without its host-side bookkeeping (model/mixed_precision.py).
 
 Gradient normalisation: each minibatch's loss is the sum of per-token losses over the completion
 tokens of every trainer rank, divided by that global token count. FSDP2 averages gradients over
@@ -26,6 +28,7 @@ from grpo.episode import EpisodeBatch
 from grpo.loss import SUMMED_STATS, LossSettings, Normalizers, policy_loss
 from grpo.packing import PackedRows, pack_episodes, plan_micro_batches
 from model import Transformer
+from model.mixed_precision import OneRankMixedPrecision
 from model.parallelize import parallelize
 
 
@@ -64,21 +67,34 @@ class Trainer:
         activation_checkpointing: bool = False,
         compile: bool = False,
         reference: Transformer | None = None,
+        fsdp_on_one_rank: bool = False,
     ):
         """`model` and `reference` (needed when grpo.kl_coef > 0: the frozen policy the KL penalty
         pulls toward) are fp32 models on this rank's device; both get sharded over `mesh`.
-        micro_batch_tokens: the most tokens (prompt + completion) one forward/backward packs."""
+        micro_batch_tokens: the most tokens (prompt + completion) one forward/backward packs.
+        fsdp_on_one_rank: wrap a one-rank mesh in FSDP2 anyway (the reference the one-rank path
+        is tested against)."""
         self.mesh, self.device = mesh, device
         self.grpo, self.optim = grpo, optim
         self.micro_batch_tokens = micro_batch_tokens
         # Log-probs are those of the sampling distribution; greedy sampling scores at temperature 1.
         self.temperature = temperature if temperature > 0 else 1.0
-        self.model = parallelize(model, mesh, compute_dtype, activation_checkpointing, compile)
         if (reference is not None) != (grpo.kl_coef > 0):
             raise ValueError("a reference model is needed exactly when grpo.kl_coef > 0")
         self.reference = None
-        if reference is not None:
-            self.reference = parallelize(reference.requires_grad_(False), mesh, compute_dtype).eval()
+        # The fp32 masters (what the optimizer steps, checkpoints hold and weight sync sends), and
+        # what runs forward: FSDP2 over several ranks, the plain copy on one.
+        self.one_rank: OneRankMixedPrecision | None = None
+        if mesh.size() == 1 and not fsdp_on_one_rank:
+            self.one_rank = OneRankMixedPrecision(model, compute_dtype, activation_checkpointing, compile)
+            self.model, self.policy = model, self.one_rank
+            if reference is not None:
+                # Frozen: its compute-dtype cast is all FSDP2 would have made of it on one rank.
+                self.reference = reference.requires_grad_(False).to(compute_dtype).eval()
+        else:
+            self.model = self.policy = parallelize(model, mesh, compute_dtype, activation_checkpointing, compile)
+            if reference is not None:
+                self.reference = parallelize(reference.requires_grad_(False), mesh, compute_dtype).eval()
         self.loss_settings = LossSettings(
             loss_type=grpo.loss_type,
             clip_eps_low=grpo.clip_eps_low,
@@ -153,7 +169,7 @@ class Trainer:
     def _forward(self, rows: PackedRows | None, model: Transformer | None = None):
         """Per-token log-probs and entropy [R, W] of a packed micro-batch (one pad token if empty),
         under the policy or the given model."""
-        model = self.model if model is None else model
+        model = self.policy if model is None else model
         if rows is None:
             # An empty micro-batch still runs forward/backward: FSDP's collectives need every rank.
             tokens = torch.zeros((1, 1), dtype=torch.long, device=self.device)
@@ -176,7 +192,16 @@ class Trainer:
     def train(self, batch: EpisodeBatch) -> dict[str, float]:
         """One RL step on this rank's scored episodes (whole groups): num_iterations passes over the
         batch split into minibatches, one optimizer step per minibatch. Returns global metrics."""
-        self.model.train()
+        self.policy.train()
+        if self.one_rank is not None:
+            self.one_rank.prepare()
+        try:
+            return self._train(batch)
+        finally:
+            if self.one_rank is not None:
+                self.one_rank.release()
+
+    def _train(self, batch: EpisodeBatch) -> dict[str, float]:
         minibatches = self._micro_batches(batch)
         every_micro_batch = [mb for m in minibatches for mb in m]
         # π_old equals π_θ at the first update; it needs its own pass only when there are later ones.
@@ -228,6 +253,8 @@ class Trainer:
                         num_seqs=int(rows.doc_ids.max()) + 1,
                     )
                     (terms.loss * norm.world_size).backward()
+                    if self.one_rank is not None:
+                        self.one_rank.accumulate()
                     local_loss += terms.loss.detach()
                     for key, value in terms.stats.items():
                         if key == "ratio_max":
@@ -301,7 +328,7 @@ class Trainer:
         dist.all_reduce(loss, group=self.group)
         loss = float(loss)
         if not math.isfinite(loss):
-            self.optimizer.zero_grad(set_to_none=True)
+            self._zero_grad()
             return loss, float("nan"), f"non-finite loss ({loss})"
         grad_norm = self._optimizer_step()
         return loss, grad_norm, "" if math.isfinite(grad_norm) else f"non-finite gradient norm ({grad_norm})"
@@ -312,9 +339,17 @@ class Trainer:
         norm = float(self._clip_gradients())
         if math.isfinite(norm):
             self.optimizer.step()
+            if self.one_rank is not None:
+                self.one_rank.invalidate()
         # Also when skipped: those gradients (NaN, or scaled by a NaN clip factor) must not reach the next update.
-        self.optimizer.zero_grad(set_to_none=True)
+        self._zero_grad()
         return norm
+
+    def _zero_grad(self) -> None:
+        if self.one_rank is not None:
+            self.one_rank.zero_grad()
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
 
     def _clip_gradients(self) -> torch.Tensor:
         """The global L2 norm of the gradients (fp32 scalar), after scaling them by

@@ -465,3 +465,45 @@ def test_exact_frac_counts_tokens_whose_generator_logprob_equals_pi_old_bitwise(
     tokens = [sum(c) for c in COMPLETION_LENS]
     assert metrics["logprob_diff/exact_frac"] == pytest.approx((tokens[0] + tokens[2]) / sum(tokens), abs=1e-12)
     assert metrics["logprob_diff/max"] == pytest.approx(1e-3, rel=1e-3)
+
+
+# ------------------------------------------------------------------ one rank without FSDP
+
+
+def test_one_rank_path_equals_fsdp_on_one_rank_bitwise():
+    """The one-rank trainer (plain masters, a bf16 copy, fp32 gradient accumulation) against FSDP2
+    on the same one-rank mesh: bf16 compute, several micro-batches, two minibatches, two
+    iterations, clipping and a KL reference, two RL steps. Weights, optimizer state and metrics
+    are bitwise equal."""
+    batch = make_batch()
+    grpo = GRPOConfig(group_size=3, clip_eps_low=CLIP_LOW, clip_eps_high=CLIP_HIGH, num_iterations=2,
+                      minibatches=2, kl_coef=0.05)
+    runs = {}
+    with single_process_group():
+        mesh = init_device_mesh("cpu", (1,))
+        for fsdp in (False, True):
+            reference = build_model()
+            trainer = Trainer(build_model(), mesh, torch.device("cpu"), torch.bfloat16, grpo, optim_config(MAX_NORM),
+                              total_steps=10, micro_batch_tokens=SMALL, temperature=TEMPERATURE, max_new_tokens=8,
+                              reference=reference, fsdp_on_one_rank=fsdp)
+            assert (trainer.one_rank is None) == fsdp
+            metrics = [trainer.train(batch) for _ in range(2)]
+            weights = {}
+            for name, param in trainer.model.named_parameters():
+                weights[name] = (param.full_tensor() if isinstance(param, DTensor) else param).detach().clone()
+            moments = []
+            for state in trainer.optimizer.state.values():
+                for key in ("exp_avg", "exp_avg_sq"):
+                    value = state[key]
+                    moments.append((value.full_tensor() if isinstance(value, DTensor) else value).clone())
+            runs[fsdp] = weights, moments, metrics
+    (w_plain, m_plain, metrics_plain), (w_fsdp, m_fsdp, metrics_fsdp) = runs[False], runs[True]
+    assert all(w.dtype == torch.float32 for w in w_plain.values())
+    initial = initial_weights()
+    assert any(not torch.equal(w_plain[n], initial[n]) for n in initial)
+    for name in w_fsdp:
+        assert torch.equal(w_plain[name], w_fsdp[name]), name
+    assert len(m_plain) == len(m_fsdp) > 0
+    assert all(torch.equal(a, b) for a, b in zip(m_plain, m_fsdp))
+    assert metrics_plain == metrics_fsdp
+    assert metrics_plain[0]["loss/kl"] != 0 and metrics_plain[1]["loss/grad_norm"] > MAX_NORM
