@@ -22,6 +22,7 @@ from grpo.config import Config
 from grpo.data import CharTokenizer, DigitTask, Prompt
 from grpo.datasets import HFTokenizer, load_hf_tokenizer
 from grpo.engine import NativeEngine, SamplingParams
+from grpo.engine.vmm import mapped_bytes
 from grpo.episode import (
     EpisodeBatch,
     compute_advantages,
@@ -209,13 +210,16 @@ class Run:
 
     @contextmanager
     def peak_memory(self, key: str, into: dict[str, float]):
-        """Record in into[key] the most device memory allocated inside the block (CUDA only)."""
+        """Record in into[key] the most device memory allocated inside the block (CUDA only): the
+        peak of PyTorch's allocator plus the KV cache the engine maps outside it (grpo/engine/vmm.py)."""
         if self.device.type != "cuda":
             yield
             return
         torch.cuda.reset_peak_memory_stats(self.device)
+        outside = mapped_bytes()
         yield
-        into[key] = max(into.get(key, 0.0), torch.cuda.max_memory_allocated(self.device) / 1e9)
+        peak = torch.cuda.max_memory_allocated(self.device) + max(outside, mapped_bytes())
+        into[key] = max(into.get(key, 0.0), peak / 1e9)
 
     def waiting(self, what: str):
         """Name this rank and `what` it waits for if a collective inside the block times out."""

@@ -132,3 +132,33 @@ def test_kv_budget_bounds_the_slots_and_the_batch():
     whole = engine(model, SamplingParams(max_new_tokens=20, temperature=1.0), max_seq_len=64).generate(requests(12, samples=2))
     agree = sum(a.tokens == b.tokens for a, b in zip(out, whole))
     assert agree >= 0.8 * len(out), agree
+
+
+def test_released_cache_returns_its_memory_and_keeps_the_captured_graphs():
+    """release_cache hands the K/V pages back to the driver (free device memory grows by about the
+    cache's size, and an ordinary allocation can use them); the next generation maps pages at the
+    same addresses, replays the graphs captured before (none recaptured) and samples what an engine
+    never released samples."""
+    model = reference_model(torch.float32)
+    sampling = SamplingParams(max_new_tokens=24, temperature=1.0)
+    reqs = requests(20, samples=3)
+    kept = engine(model, sampling, cuda_graphs=True, compile=False, max_seq_len=128)
+    released = engine(model, sampling, cuda_graphs=True, compile=False, max_seq_len=128)
+    assert [c.tokens for c in released.generate(reqs)] == [c.tokens for c in kept.generate(reqs)]
+    graphs = dict(released.decoder.graphs)
+    address = released.cache.k[0].data_ptr()
+    torch.cuda.synchronize()
+    free_before, _ = torch.cuda.mem_get_info()
+    released.release_cache()
+    free_after, _ = torch.cuda.mem_get_info()
+    assert free_after - free_before >= 0.9 * released.cache.nbytes
+    # The pages serve an ordinary allocation meanwhile: one larger than what was free before the
+    # release. Freed, it stays in PyTorch's cache, so the next generation finds the pages taken,
+    # empties that cache and maps them again.
+    borrowed = torch.empty(free_after - released.cache.nbytes // 2, dtype=torch.uint8, device=DEVICE)
+    del borrowed
+    again = released.generate(reqs)
+    assert released.cache.k[0].data_ptr() == address
+    assert released.decoder.graphs == graphs
+    assert all(released.decoder.graphs[k] is g for k, g in graphs.items())
+    assert [c.tokens for c in again] == [c.tokens for c in kept.generate(reqs)]

@@ -4,11 +4,14 @@ decode state that lives beside it on the device.
 A slot holds one sequence (prompt + completion) of up to `max_len` tokens. Slots are taken by
 requests as they are admitted and given back when they finish (continuous batching); the buffers
 themselves are allocated once per engine and never resized, so weight updates and CUDA graphs
-keep pointing at the same memory. One extra slot (index `num_slots`) is scratch: padding rows of a
+keep pointing at the same memory; a colocated engine releases the K/V memory while the trainer
+trains and gets it back at the same addresses. One extra slot (index `num_slots`) is scratch: padding rows of a
 captured decode batch read and write it, and nothing real lives there.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -33,9 +36,20 @@ class SlotCache:
     def __init__(self, args: ModelArgs, num_slots: int, max_len: int, dtype: torch.dtype, device: torch.device):
         self.num_slots, self.max_len, self.device = num_slots, max_len, device
         self.scratch = num_slots
-        shape = (num_slots + 1, max_len, args.n_kv_heads, args.head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(args.n_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(args.n_layers)]
+        self.shape = (num_slots + 1, max_len, args.n_kv_heads, args.head_dim)
+        self.n_layers, self.dtype = args.n_layers, dtype
+        # On CUDA the K/V buffers sit at fixed virtual addresses, so release_kv() can return their
+        # memory without invalidating the decode graphs captured on them (grpo/engine/vmm.py).
+        self._virtual = None
+        if device.type == "cuda":
+            from grpo.engine.vmm import VirtualBuffer
+
+            nbytes = 2 * args.n_layers * math.prod(self.shape) * torch.empty((), dtype=dtype).element_size()
+            self._virtual = VirtualBuffer(nbytes, device)
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        self.kv_released = True
+        self.restore_kv()
         n = num_slots + 1
         # Per slot: the token to feed next and its position, the noise key, the request's budget,
         # tokens generated so far, whether it is finished and whether EOS finished it.
@@ -50,10 +64,36 @@ class SlotCache:
         self.out_tokens = torch.zeros((n, max_len), dtype=torch.int64, device=device)
         self.out_logprobs = torch.zeros((n, max_len), dtype=torch.float32, device=device)
 
+    def release_kv(self) -> None:
+        """Free the K/V buffers' memory (their contents are lost) until restore_kv()."""
+        if self.kv_released:
+            return
+        if self._virtual is not None:
+            self._virtual.unmap()
+        else:
+            self.k, self.v = [], []
+        self.kv_released = True
+
+    def restore_kv(self) -> None:
+        """Zeroed K/V buffers again: on CUDA at the addresses they had, so captured graphs still hold."""
+        if not self.kv_released:
+            return
+        if self._virtual is not None:
+            self._virtual.remap()
+            flat = self._virtual.tensor.view(self.dtype)
+            flat.zero_()
+            layers = flat.split(math.prod(self.shape))
+            self.k = [t.view(self.shape) for t in layers[: self.n_layers]]
+            self.v = [t.view(self.shape) for t in layers[self.n_layers : 2 * self.n_layers]]
+        else:
+            self.k = [torch.zeros(self.shape, dtype=self.dtype, device=self.device) for _ in range(self.n_layers)]
+            self.v = [torch.zeros(self.shape, dtype=self.dtype, device=self.device) for _ in range(self.n_layers)]
+        self.kv_released = False
+
     @property
     def nbytes(self) -> int:
-        """Bytes held by the K/V buffers."""
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+        """Bytes the K/V buffers hold when allocated."""
+        return 2 * self.n_layers * math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
 
     def flat(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer's K, V viewed as [(num_slots + 1) * max_len, n_kv_heads, head_dim]."""

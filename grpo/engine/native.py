@@ -110,8 +110,6 @@ class NativeEngine:
         self.cache: SlotCache | None = None
         self.decoder: DecodeStep | None = None
         self._auto_size = max_seq_len is None
-        # (max_len, num_slots) of a cache freed by release_cache, to re-establish before generating
-        self._released: tuple[int, int] | None = None
         if max_seq_len is not None:
             self._allocate(max_seq_len)
         self.version = -1
@@ -133,15 +131,10 @@ class NativeEngine:
         self._sample = torch.compile(sample, dynamic=True)
 
     def release_cache(self) -> None:
-        """Free the KV cache and the decode graphs captured on it, so that a colocated trainer can
-        use the memory. The next poll allocates the same slots again (graphs recaptured on demand)."""
-        if self.cache is None:
-            return
-        self._released = (self.cache.max_len, self.cache.num_slots)
-        self.decoder.release()
-        self.cache = self.decoder = None
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        """Free the KV cache's K/V memory, so that a colocated trainer can use it. The next poll
+        brings the same slots back; on CUDA at the same addresses, so the decode graphs stay."""
+        if self.cache is not None:
+            self.cache.release_kv()
 
     def _allocate(self, max_seq_len: int) -> None:
         """Allocate the KV cache: as many slots of max_seq_len tokens as the budget holds."""
@@ -214,9 +207,14 @@ class NativeEngine:
         if self.paused:
             return []
         queued, self._queue = self._queue, []
-        if queued and self.cache is None and self._released is not None:
-            # Same slots as before the release: the free memory now says nothing about the trainer's needs.
-            self._build_cache(*self._released)
+        if queued and self.cache is not None and self.cache.kv_released:
+            try:
+                self.cache.restore_kv()
+            except torch.OutOfMemoryError:
+                # The trainer's allocator holds the pages: empty its cache only then, since the
+                # trainer would otherwise allocate its activations from the driver afresh every step.
+                torch.cuda.empty_cache()
+                self.cache.restore_kv()
         if queued and self._auto_size:
             need = max(len(r.prompt_tokens) + self._budget(r, sp) for r, sp in queued)
             if self.cache is None or need > self.cache.max_len:
