@@ -35,8 +35,9 @@ PER_STEP = (
     "time/step_s", "time/generate_s", "time/score_s", "time/train_s", "time/weight_sync_s",
     "throughput/generate_tok_s", "throughput/train_tok_s", "throughput/mfu",
     "episode/length_mean", "logprob_diff/mean", "logprob_diff/max",
+    "memory/generate_peak_gb", "memory/train_peak_gb",
 )
-MEDIANS = PER_STEP[:8] + ("episode/length_mean",)
+MEDIANS = PER_STEP[:8] + ("episode/length_mean", "memory/generate_peak_gb", "memory/train_peak_gb")
 
 
 def build_checkpoint(folder: Path, body: dict[str, int]) -> Path:
