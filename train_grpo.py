@@ -39,7 +39,7 @@ from grpo.roles import build_roles
 from grpo.schedule import run_loop
 from grpo.scorer import Scorer
 from grpo.tasks import DataError
-from model import CheckpointError, UnsupportedModelError
+from model import CheckpointError, UnsupportedModelError, batch_invariant
 from rewards import RewardError
 
 
@@ -114,6 +114,7 @@ def run(cfg: Config, stop: GracefulStop) -> None:
             if cfg.job.deterministic:
                 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
                 torch.use_deterministic_algorithms(True)
+            batch_invariant.enable(cfg.job.bitwise_logprobs)
             scorer = None
             if roles.is_trainer:
                 r = cfg.rewards

@@ -33,6 +33,8 @@ class JobConfig:
     device: str = "auto"
     # bitwise-reproducible kernels (torch.use_deterministic_algorithms)
     deterministic: bool = False
+    # batch-invariant numerics: the engine's log-probs equal the trainer's recomputation bitwise (native engine, CPU only so far; slow)
+    bitwise_logprobs: bool = False
 
 
 @dataclass

@@ -188,6 +188,7 @@ def validate_config(cfg: Config, world_size: int) -> None:
     _require(mt.peak_tflops >= 0, "metrics.peak_tflops", mt.peak_tflops, "must be >= 0 (0 = built-in table)")
 
     _check_vllm(cfg)
+    _check_bitwise(cfg)
     prompts = d.prompts_per_step
     par = cfg.parallelism
     _require(par.weight_bucket_mb >= 1, "parallelism.weight_bucket_mb", par.weight_bucket_mb, "must be >= 1")
@@ -251,6 +252,28 @@ def _check_vllm(cfg: Config) -> None:
         )
     if cfg.parallelism.generator_tp != 1:
         raise ConfigError('generation.engine = "vllm" runs one generator rank per engine (parallelism.generator_tp = 1)')
+
+
+def _check_bitwise(cfg: Config) -> None:
+    """job.bitwise_logprobs: the batch-invariant reference path serves the native engine on CPU."""
+    if not cfg.job.bitwise_logprobs:
+        return
+    device = cfg.job.device if cfg.job.device != "auto" else ("cuda" if _cuda_available() else "cpu")
+    if device != "cpu":
+        raise ConfigError(
+            "job.bitwise_logprobs = true runs on CPU only so far: its batch-invariant kernels for CUDA are "
+            "not built (set --job.device=cpu, or turn it off)"
+        )
+    if cfg.generation.engine != "native":
+        raise ConfigError(
+            'job.bitwise_logprobs = true needs generation.engine = "native": vLLM computes its log-probs '
+            "with kernels of its own"
+        )
+    if cfg.parallelism.generator_tp != 1:
+        raise ConfigError(
+            "job.bitwise_logprobs = true needs parallelism.generator_tp = 1: a tensor-parallel engine sums "
+            "partial products in another order than the trainer's whole matmuls"
+        )
 
 
 def _model_shape(cfg: Config) -> ModelArgs:

@@ -11,7 +11,8 @@ On CUDA in bf16/fp16, training and prefill run PyTorch's flash-attention kernel 
 variable-length form (`torch.nn.attention.varlen`, `cu_seqlens`, forward and backward) and decode
 runs our Triton kernel (decode_kernel.py), which reads exactly the live keys once per KV head.
 Elsewhere (CPU, fp32) the sequences of each length run as one batched, causal
-`scaled_dot_product_attention` call: the reference path the tests use.
+`scaled_dot_product_attention` call: the reference path the tests use. With batch-invariant
+numerics on (model/batch_invariant.py), all three run its fixed-order block attention instead.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.varlen import varlen_attn
+
+from model import batch_invariant
 
 
 @dataclass
@@ -93,6 +96,9 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
     """q [B, T, H, D], k/v [B, T, Hkv, D] -> [B, T, H, D]: causal attention within each sequence
     of `layout` (over the B * T tokens flattened row after row)."""
     B, T, H, D = q.shape
+    if batch_invariant.enabled():
+        flat = (t.reshape(B * T, -1, D) for t in (q, k, v))
+        return batch_invariant.packed_attention(*flat, layout.bounds).view(B, T, H, D)
     if not uses_flash(q) and len(layout.bounds) == B + 1 and layout.max_len == T:
         return _causal(q, k, v)  # one sequence per row: one batched call
     q, k, v = q.reshape(B * T, H, D), k.reshape(B * T, -1, D), v.reshape(B * T, -1, D)
@@ -144,6 +150,8 @@ def varlen_prefill(
     cu_seqlens [P + 1] int32: prompt p spans tokens cu_seqlens[p]:cu_seqlens[p + 1]; attention is
     causal within each prompt. max_len: the longest prompt.
     """
+    if batch_invariant.enabled():
+        return batch_invariant.packed_attention(q, k, v, cu_seqlens.tolist())
     if uses_flash(q):
         return _flash(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, True)
     return _by_length(q, k, v, cu_seqlens.tolist())
@@ -158,6 +166,8 @@ def slot_decode(
     slots [B] int64: each row's slot; lengths [B] int32: the live keys of each row (its query's
     position + 1). Rows may sit in any slot at any length.
     """
+    if batch_invariant.enabled():
+        return batch_invariant.slot_attention(q, k_cache, v_cache, slots, lengths)
     if uses_flash(q):
         # Imported here: Triton exists only where CUDA does.
         from model.decode_kernel import slot_decode_triton

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from model import batch_invariant
 from model.attention import fast_kernels_serve
 
 # Tokens per chunk: bounds the [chunk, V] logits (and their gradient) held at once.
@@ -71,17 +72,21 @@ class _ChunkedHead(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature: float):
         stats, _ = _kernels(hidden)
-        logprobs, entropies, log_zs = [], [], []
-        for start in range(0, hidden.shape[0], LOGPROB_CHUNK_TOKENS):
-            chunk = slice(start, start + LOGPROB_CHUNK_TOKENS)
-            lp, ent, log_z = stats(F.linear(hidden[chunk], weight), targets[chunk], temperature)
-            logprobs.append(lp)
-            entropies.append(ent)
-            log_zs.append(log_z)
-        entropy = torch.cat(entropies)
-        ctx.save_for_backward(hidden, weight, targets, torch.cat(log_zs), entropy)
+        if batch_invariant.enabled():
+            # Blocks of one shape, as the engine computes its log-probs (grpo/engine/sampling.py).
+            logprob, entropy, log_z = batch_invariant.in_blocks(
+                lambda h, t: stats(F.linear(h, weight), t, temperature), hidden, targets
+            )
+        else:
+            parts = [
+                stats(F.linear(hidden[start : start + LOGPROB_CHUNK_TOKENS], weight),
+                      targets[start : start + LOGPROB_CHUNK_TOKENS], temperature)
+                for start in range(0, hidden.shape[0], LOGPROB_CHUNK_TOKENS)
+            ]
+            logprob, entropy, log_z = (torch.cat(column) for column in zip(*parts))
+        ctx.save_for_backward(hidden, weight, targets, log_z, entropy)
         ctx.temperature = temperature
-        return torch.cat(logprobs), entropy
+        return logprob, entropy
 
     @staticmethod
     def backward(ctx, grad_logprob, grad_entropy):

@@ -23,6 +23,7 @@ from torch import nn
 
 from model.args import ModelArgs
 from model.attention import SequenceLayout, packed_attention, sequence_layout
+from model.batch_invariant import tokenwise
 from model.logprob_head import target_logprobs
 
 class RMSNorm(nn.Module):
@@ -170,7 +171,8 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: SequenceLayout) -> torch.Tensor:
         """x [B, T, dim] -> [B, T, dim]: attention within each sequence of `layout`."""
-        return self.after_attention(x, packed_attention(*self.attention_inputs(x, cos, sin), layout))
+        attn = packed_attention(*tokenwise(self.attention_inputs, x, cos, sin), layout)
+        return tokenwise(self.after_attention, x, attn)
 
     # Both paths split the block around its attention: the decode path puts the caller's
     # cache-aware kernel between the two halves, and each half is what gets compiled (the
@@ -256,13 +258,13 @@ class Transformer(nn.Module):
         if positions is None:
             positions = torch.arange(T, device=tokens.device).expand(B, T)
         h = self.tok_embeddings(tokens)
-        cos, sin = rope_tables(self._inv_freq, positions, h.dtype)
+        cos, sin = tokenwise(lambda p: rope_tables(self._inv_freq, p, h.dtype), positions)
         layout = sequence_layout(doc_ids, (B, T), tokens.device)
         for layer in self.layers:
             h = layer(h, cos, sin, layout)
-        h = self.norm(h)
+        h = tokenwise(self.norm, h)
         if targets is None:
-            return F.linear(h, self.output_weight)
+            return tokenwise(lambda x: F.linear(x, self.output_weight), h)
         logprobs, entropy = target_logprobs(h, self.output_weight, targets, temperature)
         # Cloned out of the views so that FSDP's pre-backward hook sits on a tensor no in-place op can bypass.
         return TokenLogprobs(logprobs.clone(), entropy.clone())
@@ -282,7 +284,7 @@ class Transformer(nn.Module):
         """
         h = self.decode_hidden(tokens, positions, attend)
         h = h if logits_index is None else h[logits_index]
-        return F.linear(h, self.output_weight)
+        return tokenwise(lambda x: F.linear(x, self.output_weight), h, lead=1)
 
     def decode_hidden(
         self,
@@ -293,8 +295,8 @@ class Transformer(nn.Module):
         """`decode` up to the final norm: tokens, positions [N] -> normalised hidden states [N, dim]
         (an engine that computes logits itself, e.g. vLLM, takes them from here)."""
         h = self.tok_embeddings(tokens)[None]
-        cos, sin = rope_tables(self._inv_freq, positions[None], h.dtype)
+        cos, sin = tokenwise(lambda p: rope_tables(self._inv_freq, p, h.dtype), positions[None])
         for i, layer in enumerate(self.layers):
-            q, k, v = layer.attention_inputs(h, cos, sin)
-            h = layer.after_attention(h, attend(i, q[0], k[0], v[0])[None])
-        return self.norm(h[0])
+            q, k, v = tokenwise(layer.attention_inputs, h, cos, sin)
+            h = tokenwise(layer.after_attention, h, attend(i, q[0], k[0], v[0])[None])
+        return tokenwise(self.norm, h[0], lead=1)

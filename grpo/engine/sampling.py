@@ -14,6 +14,8 @@ from collections.abc import Sequence
 import torch
 
 from grpo.engine.types import GenerationRequest, SamplingParams
+from model import batch_invariant
+from model.logprob_head import chunk_stats
 
 _M32 = 0xFFFFFFFF
 
@@ -54,7 +56,7 @@ def sample(
     logits = logits.float()
     if sp.temperature == 0:
         tokens = logits.argmax(-1)
-        return tokens, logits.gather(-1, tokens[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+        return tokens, token_logprobs(logits, tokens, 1.0)
     scaled = logits / sp.temperature
     allowed = scaled
     if sp.top_k > 0:
@@ -70,5 +72,14 @@ def sample(
     bits = mix32(row_hash ^ token_hash[None, :]) >> 8
     uniform = (bits.float() + 0.5) / 2**24
     tokens = (allowed - torch.log(-torch.log(uniform))).argmax(-1)
-    chosen = scaled.gather(-1, tokens[:, None]).squeeze(-1)
-    return tokens, chosen - torch.logsumexp(scaled, dim=-1)
+    return tokens, token_logprobs(logits, tokens, sp.temperature)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log softmax(logits / temperature)[tokens]: logits [B, V] fp32, tokens [B] -> [B] fp32, by
+    the trainer's formula (model/logprob_head.py); with batch-invariant numerics on, on the same
+    fixed blocks of rows the trainer's head uses, so the two agree bitwise."""
+    if batch_invariant.enabled():
+        return batch_invariant.in_blocks(lambda l, t: chunk_stats(l, t, temperature)[0], logits, tokens)
+    scaled = logits / temperature
+    return scaled.gather(-1, tokens[:, None]).squeeze(-1) - torch.logsumexp(scaled, dim=-1)

@@ -1,0 +1,133 @@
+"""Batch-invariant numerics: each token's result computed by the same operations in the same order,
+whatever else is in its batch (`numerics.bitwise`).
+
+The engine and the trainer see a token in different company: one decode row among a few, a prompt
+prefilled with others, one position of a packed training row. Kernels pick their tiling, their
+split of a reduction and their vector/scalar boundaries from the shapes they are given, so the
+same token's log-prob comes out a few ulps apart (or, in bf16, a few hundredths of a nat). With
+the mode on, every token-wise computation (the block halves around attention, the RoPE tables, the
+final norm, the output head and its log-softmax) runs on fixed blocks of `BLOCK` tokens, padded,
+so each call has one shape; attention runs over fixed blocks of `BLOCK` keys in a fixed order,
+with per-block partial results added up in order; blocks that lie wholly past a query add exact
+zeros. The engine's log-probs then equal the trainer's recomputation bitwise.
+
+The mode is process-wide, like `torch.use_deterministic_algorithms`: `enable(True)` before
+building engines and trainers. This is the reference implementation, on any device; it is slow
+(many small calls), and meant for CPU runs and tests.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+BLOCK = 32
+
+_state = {"on": False}
+
+
+def enable(on: bool = True) -> None:
+    """Turn batch-invariant numerics on or off for this process."""
+    _state["on"] = bool(on)
+
+
+def enabled() -> bool:
+    return _state["on"]
+
+
+def in_blocks(fn: Callable[..., torch.Tensor | tuple], *tokens: torch.Tensor, rows: int = 1) -> torch.Tensor | tuple:
+    """fn applied to `tokens` (each [N, ...], the same N) in blocks of BLOCK rows, the last one
+    padded with zeros; each block is shaped [BLOCK, ...] (rows 1) or [1, BLOCK, ...] (rows 2), and
+    fn's outputs, shaped the same way, are concatenated back to [N, ...]. fn must treat rows
+    independently."""
+    n = tokens[0].shape[0]
+    padded = -(-max(n, 1) // BLOCK) * BLOCK
+    tokens = tuple(torch.cat([t, t.new_zeros(padded - n, *t.shape[1:])]) if padded > n else t for t in tokens)
+
+    def call(start: int):
+        out = fn(*(t[start : start + BLOCK] if rows == 1 else t[start : start + BLOCK][None] for t in tokens))
+        if rows == 1:
+            return out
+        return tuple(o[0] for o in out) if isinstance(out, tuple) else out[0]
+
+    outs = [call(start) for start in range(0, padded, BLOCK)]
+    if isinstance(outs[0], tuple):
+        return tuple(torch.cat([o[i] for o in outs])[:n] for i in range(len(outs[0])))
+    return torch.cat(outs)[:n]
+
+
+def tokenwise(fn: Callable[..., torch.Tensor | tuple], *tokens: torch.Tensor, lead: int = 2) -> torch.Tensor | tuple:
+    """fn(*tokens) for a row-wise fn over tensors whose first `lead` dims index tokens ([B, T, ...]
+    for lead 2); with the mode on, run through `in_blocks` over the flattened tokens. Output
+    shapes are the same either way."""
+    if not enabled():
+        return fn(*tokens)
+    shape = tokens[0].shape[:lead]
+    flat = in_blocks(fn, *(t.reshape(-1, *t.shape[lead:]) for t in tokens), rows=lead)
+    if isinstance(flat, tuple):
+        return tuple(t.view(*shape, *t.shape[1:]) for t in flat)
+    return flat.view(*shape, *flat.shape[1:])
+
+
+def causal_attention(q: torch.Tensor, first_position: int, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Queries of one sequence against its keys: q [Nq, H, D] at positions first_position ..
+    first_position + Nq - 1, k/v [L, Hkv, D] at positions 0 .. L - 1 -> [Nq, H, D]; each query
+    attends to the keys at or before its own position.
+
+    Per query the arithmetic does not depend on Nq, L or the query's place among the others:
+    scores and weighted values come from fixed [BLOCK x BLOCK] block products, key blocks are
+    visited in order, and blocks past a query's position contribute exact zeros.
+    """
+    n_q, H, D = q.shape
+    L, Hkv = k.shape[0], k.shape[1]
+    key_blocks = -(-L // BLOCK)
+    keys = F.pad(k, (0, 0, 0, 0, 0, key_blocks * BLOCK - L)).repeat_interleave(H // Hkv, dim=1)
+    values = F.pad(v, (0, 0, 0, 0, 0, key_blocks * BLOCK - L)).repeat_interleave(H // Hkv, dim=1)
+    keys, values = keys.transpose(0, 1), values.transpose(0, 1)  # [H, blocks * BLOCK, D]
+    key_positions = torch.arange(key_blocks * BLOCK, device=q.device)
+    scale = 1.0 / math.sqrt(D)
+    outs = []
+    for start in range(0, n_q, BLOCK):
+        rows = min(BLOCK, n_q - start)
+        positions = first_position + start + torch.arange(BLOCK, device=q.device)
+        # Padding rows take the last real row's position: every key they see is real, so no NaN.
+        positions = torch.minimum(positions, torch.tensor(first_position + n_q - 1, device=q.device))
+        block_q = F.pad(q[start : start + rows], (0, 0, 0, 0, 0, BLOCK - rows)).transpose(0, 1) * scale
+        visited = min(key_blocks, (first_position + start + rows - 1) // BLOCK + 1)
+        scores = []
+        for b in range(visited):
+            s = torch.matmul(block_q, keys[:, b * BLOCK : (b + 1) * BLOCK].transpose(1, 2))  # [H, BLOCK, BLOCK]
+            live = key_positions[b * BLOCK : (b + 1) * BLOCK][None, :] <= positions[:, None]
+            live &= key_positions[b * BLOCK : (b + 1) * BLOCK][None, :] < L
+            scores.append(s.masked_fill(~live, float("-inf")))
+        top = scores[0].amax(-1)
+        for s in scores[1:]:
+            top = torch.maximum(top, s.amax(-1))
+        total = torch.zeros_like(top)
+        acc = torch.zeros_like(block_q)
+        for b, s in enumerate(scores):
+            weights = torch.exp(s - top[..., None])
+            total = total + weights.sum(-1)
+            acc = acc + torch.matmul(weights, values[:, b * BLOCK : (b + 1) * BLOCK])
+        outs.append((acc / total[..., None]).transpose(0, 1)[:rows])
+    return torch.cat(outs)
+
+
+def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: list[int]) -> torch.Tensor:
+    """Sequences back to back: q [N, H, D], k/v [N, Hkv, D], sequence s spanning bounds[s]:bounds[s + 1]
+    -> [N, H, D], each sequence causal by itself (training, scoring and prefill)."""
+    return torch.cat([causal_attention(q[a:b], 0, k[a:b], v[a:b]) for a, b in zip(bounds[:-1], bounds[1:])])
+
+
+def slot_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor
+) -> torch.Tensor:
+    """One query per row against its cache slot (model.attention.slot_decode's contract): row b's
+    query sits at position lengths[b] - 1 and attends to the slot's first lengths[b] keys."""
+    rows = []
+    for b, (slot, length) in enumerate(zip(slots.tolist(), lengths.tolist())):
+        rows.append(causal_attention(q[b : b + 1], length - 1, k_cache[slot, :length], v_cache[slot, :length]))
+    return torch.cat(rows)
