@@ -58,14 +58,16 @@ def parallelize(
 
 def compile_blocks(model: Transformer) -> None:
     """torch.compile each block's two halves around its attention (norms, projections, RoPE,
-    SwiGLU and the residuals fuse into few kernels); the flash attention call between them runs
-    eagerly. Shapes are dynamic, so micro-batches of any token count share one graph per half.
-    Measured on one H200 at the Qwen3-0.6B shape, this beat compiling each block whole, attention
-    included (80.2k against 76.7k tokens/s in the same process; bench/RESULTS.md)."""
+    SwiGLU and the residuals fuse into few kernels); the attention call between them runs
+    eagerly. Shapes are dynamic, so micro-batches (or decode batches) of any token count share one
+    graph per half. Measured on one H200 at the Qwen3-0.6B shape, this beat compiling each block
+    whole, attention included (80.2k against 76.7k tokens/s in the same process; bench/RESULTS.md).
+    Used by the trainer and the engine alike."""
     import torch._dynamo.config as dynamo_config
 
-    # Every block shares one code object per half; leave room for the guards of each block.
-    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 8 * len(model.layers))
+    # Every block shares one code object per half; leave room for the guards of each block, and
+    # for the batch size 1 that dynamic shapes specialise.
+    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 8 * len(model.layers), 64)
     for block in model.layers:
         block.attention_inputs = torch.compile(block.attention_inputs, dynamic=True)
         block.after_attention = torch.compile(block.after_attention, dynamic=True)

@@ -37,7 +37,7 @@ from grpo.engine.types import (
 )
 from model import ModelArgs, Transformer
 from model.attention import check_decode_kernel
-from model.parallelize import apply_tensor_parallel, tensor_parallel_args
+from model.parallelize import apply_tensor_parallel, compile_blocks, tensor_parallel_args
 
 
 class NativeEngine:
@@ -119,15 +119,9 @@ class NativeEngine:
         self._queue: list[tuple[GenerationRequest, SamplingParams]] = []
 
     def _compile(self) -> None:
-        """Compile each block's two halves and the sampler (one graph each, reused by every layer
-        and every batch size), fusing the norms, RoPE and SwiGLU into few kernels."""
-        import torch._dynamo.config as dynamo_config
-
-        # 28+ layers share one compiled code object; give the guards room for batch size 1 too.
-        dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 64)
-        for layer in self.model.layers:
-            layer.attention_inputs = torch.compile(layer.attention_inputs, dynamic=True)
-            layer.after_attention = torch.compile(layer.after_attention, dynamic=True)
+        """Compile each block's two halves (model/parallelize.py compile_blocks) and the sampler:
+        one graph each, reused by every layer and every batch size."""
+        compile_blocks(self.model)
         self._sample = torch.compile(sample, dynamic=True)
 
     def release_cache(self) -> None:
