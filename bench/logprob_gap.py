@@ -39,7 +39,7 @@ import model.logprob_head as head  # noqa: E402
 import model.model as native  # noqa: E402
 from bench.generate import commit  # noqa: E402
 from grpo.config import GRPOConfig, OptimizerConfig  # noqa: E402
-from grpo.datasets import load_hf_tokenizer  # noqa: E402
+from grpo.tokenizer import load_hf_tokenizer  # noqa: E402
 from grpo.engine import GenerationRequest, NativeEngine, SamplingParams  # noqa: E402
 from grpo.rollout import episodes_from_completions  # noqa: E402
 from grpo.trainer import Trainer  # noqa: E402

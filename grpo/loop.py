@@ -20,7 +20,7 @@ import torch.distributed as dist
 from grpo.checkpoint import check_matches, checkpoint_bytes, export_hf
 from grpo.config import Config
 from grpo.data import CharTokenizer, DigitTask, Prompt
-from grpo.datasets import HFTokenizer, load_hf_tokenizer
+from grpo.tokenizer import HFTokenizer, load_hf_tokenizer
 from grpo.engine import NativeEngine, SamplingParams
 from grpo.engine.vmm import mapped_bytes
 from grpo.episode import (

@@ -9,7 +9,8 @@ from typing import Any
 
 from grpo.config import Config
 from grpo.data import Prompt
-from grpo.datasets import HFTokenizer, PromptDataset
+from grpo.datasets import PromptDataset
+from grpo.tokenizer import HFTokenizer
 from grpo.gym import HELD_OUT_SEED_OFFSET, PREFIX, gym_records, is_gym_path
 
 

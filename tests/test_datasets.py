@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from grpo.data import Prompt
-from grpo.datasets import PromptDataset, load_hf_tokenizer, read_records, render_prompt
+from grpo.datasets import PromptDataset, read_records, render_prompt
+from grpo.tokenizer import load_hf_tokenizer
 from tests.hf_fixtures import FIXTURE, SYSTEM, build_tokenizer
 
 
