@@ -315,3 +315,12 @@ def test_gsm8k_recipe_validates_once_its_paths_are_filled(tmp_path):
     assert (cfg.grpo.group_size, cfg.grpo.clip_eps_high, cfg.optimizer.lr) == (8, 0.28, 1e-6)
     assert (cfg.data.max_prompt_tokens, cfg.generation.max_new_tokens) == (512, 1024)
     assert (cfg.parallelism.generator_ranks, cfg.rewards.functions) == (2, ["math_accuracy"])
+
+
+def test_bitwise_logprobs_refusals_name_the_key_and_the_reason():
+    assert load("--job.bitwise_logprobs=true", "--job.device=cpu").job.bitwise_logprobs
+    message = error("--job.bitwise_logprobs=true", "--job.device=cuda")
+    assert "job.bitwise_logprobs" in message and "CPU only" in message
+    message = error("--job.bitwise_logprobs=true", "--job.device=cpu", "--parallelism.generator_ranks=2",
+                    "--parallelism.generator_tp=2", world_size=3)
+    assert "job.bitwise_logprobs" in message and "generator_tp = 1" in message
