@@ -7,6 +7,9 @@ Two paths share the same layers:
 - `decode`: prefill and single-token steps over tokens packed on one axis, with the caller's
   cache-aware attention between the two halves of each block (the engine owns the KV cache).
 
+Every token-wise step goes through `batch_invariant.tokenwise`: a plain call, or with batch-invariant
+numerics on (`job.bitwise_logprobs`), the same call on fixed blocks of tokens.
+
 Numerics follow the HF reference implementations operation by operation (RMSNorm in fp32, RoPE
 tables in fp32 cast to the activation dtype) so that outputs agree with `transformers`.
 """
