@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from grpo.pool_worker import start_worker
+from grpo.pool_worker import run_task, start_worker
 from rewards import RewardError, _clip, load_reward, reward_name, score_chunk
 
 ON_ERROR_MODES = ("stop", "zero")
@@ -89,9 +89,10 @@ class Scorer:
     def _new_pool(self) -> multiprocessing.pool.Pool:
         self._pool_ready = False
         # spawn, not fork: forking a process that holds CUDA state or torch threads is unsafe.
-        return multiprocessing.get_context("spawn").Pool(
-            self.num_workers, initializer=start_worker, initargs=(os.getpid(),)
-        )
+        context = multiprocessing.get_context("spawn")
+        # Set by close(): only then do idle workers take SIGTERM as theirs (grpo/pool_worker.py).
+        self._stopping = context.Event()
+        return context.Pool(self.num_workers, initializer=start_worker, initargs=(os.getpid(), self._stopping))
 
     def score(
         self, prompts: list[str], completions: list[str], answers: list[str], metadata: list[dict]
@@ -151,7 +152,7 @@ class Scorer:
             for start, end in bounds:
                 if start < end:
                     args = (spec, start, *(column[start:end] for column in episodes), self.on_error)
-                    pending.append((name, start, end, self._pool.apply_async(score_chunk, args)))
+                    pending.append((name, start, end, self._pool.apply_async(run_task, (score_chunk, *args))))
         values = {name: [] for name in self.names}
         deadline = None  # set at the first timeout (on_error="zero"): the rest share one more timeout_s
         try:
@@ -179,6 +180,7 @@ class Scorer:
 
     def close(self) -> None:
         if self._pool is not None:
+            self._stopping.set()
             self._pool.terminate()
             self._pool = None
 

@@ -1,6 +1,8 @@
 import multiprocessing
+import os
 import random
 import re
+import signal
 import time
 
 import pytest
@@ -106,6 +108,28 @@ def test_hanging_function_times_out_and_workers_die():
     start = time.monotonic()
     scorer.close()
     assert time.monotonic() - start < 2
+    assert set(multiprocessing.active_children()) <= children_before
+
+
+def test_idle_workers_outlive_a_sigterm_from_outside():
+    """Slurm signals every process of a job step, the rank's reward workers too. An idle worker
+    waits for work holding the pool's task-queue lock, so one killed there would leave the pool
+    unable to score or to terminate. Idle workers ignore that SIGTERM: the pool scores on, and
+    close() still stops every worker promptly."""
+    children_before = set(multiprocessing.active_children())
+    scorer = Scorer(["digit_match"], [1.0], timeout_s=5.0, num_workers=2)
+    batch = (["1", "2", "3", "4"], ["1", "5", "3", "4"], ["1", "2", "3", "4"], [{}] * 4)
+    first = scorer.score(*batch).total
+    workers = [p for p in multiprocessing.active_children() if p not in children_before]
+    assert len(workers) == 2
+    for worker in workers:
+        os.kill(worker.pid, signal.SIGTERM)
+    time.sleep(0.5)
+    assert all(worker.is_alive() for worker in workers)
+    assert torch.equal(scorer.score(*batch).total, first)
+    start = time.monotonic()
+    scorer.close()
+    assert time.monotonic() - start < 5
     assert set(multiprocessing.active_children()) <= children_before
 
 
