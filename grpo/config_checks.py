@@ -241,7 +241,7 @@ def _check_vllm(cfg: Config) -> None:
     g = cfg.generation
     if g.engine != "vllm":
         return
-    device = cfg.job.device if cfg.job.device != "auto" else ("cuda" if _cuda_available() else "cpu")
+    device = _device_type(cfg)
     problem = vllm_problem(_model_shape(cfg).head_dim, device)
     if problem:
         raise ConfigError(f'generation.engine = "vllm" {problem}')
@@ -258,7 +258,7 @@ def _check_bitwise(cfg: Config) -> None:
     """job.bitwise_logprobs: the batch-invariant reference path serves the native engine on CPU."""
     if not cfg.job.bitwise_logprobs:
         return
-    device = cfg.job.device if cfg.job.device != "auto" else ("cuda" if _cuda_available() else "cpu")
+    device = _device_type(cfg)
     if device != "cpu":
         raise ConfigError(
             "job.bitwise_logprobs = true runs on CPU only so far: its batch-invariant kernels for CUDA are "
@@ -286,10 +286,13 @@ def _model_shape(cfg: Config) -> ModelArgs:
                      ffn_dim=m.ffn_dim)
 
 
-def _cuda_available() -> bool:
+def _device_type(cfg: Config) -> str:
+    """"cuda" or "cpu": job.device, with "auto" resolved as train_grpo.py resolves it."""
+    if cfg.job.device != "auto":
+        return cfg.job.device
     import torch
 
-    return torch.cuda.is_available()
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _check_generator_tp(cfg: Config) -> None:

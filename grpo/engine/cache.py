@@ -38,14 +38,14 @@ class SlotCache:
         self.scratch = num_slots
         self.shape = (num_slots + 1, max_len, args.n_kv_heads, args.head_dim)
         self.n_layers, self.dtype = args.n_layers, dtype
+        self._nbytes = slot_bytes(args, max_len, dtype) * (num_slots + 1)
         # On CUDA the K/V buffers sit at fixed virtual addresses, so release_kv() can return their
         # memory without invalidating the decode graphs captured on them (grpo/engine/vmm.py).
         self._virtual = None
         if device.type == "cuda":
             from grpo.engine.vmm import VirtualBuffer
 
-            nbytes = 2 * args.n_layers * math.prod(self.shape) * torch.empty((), dtype=dtype).element_size()
-            self._virtual = VirtualBuffer(nbytes, device)
+            self._virtual = VirtualBuffer(self._nbytes, device)
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
         self.kv_released = True
@@ -93,7 +93,7 @@ class SlotCache:
     @property
     def nbytes(self) -> int:
         """Bytes the K/V buffers hold when allocated."""
-        return 2 * self.n_layers * math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+        return self._nbytes
 
     def flat(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer's K, V viewed as [(num_slots + 1) * max_len, n_kv_heads, head_dim]."""
