@@ -111,6 +111,19 @@ def test_hanging_function_times_out_and_workers_die():
     assert set(multiprocessing.active_children()) <= children_before
 
 
+def _wait_for_sigterm_handler(pid: int, timeout_s: float = 30.0) -> None:
+    """Poll /proc/<pid>/status until SIGTERM is in the process's caught-signal mask (SigCgt)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/status") as status:
+            caught = next(int(line.split()[1], 16) for line in status if line.startswith("SigCgt:"))
+        if caught >> (signal.SIGTERM - 1) & 1:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"worker {pid} installed no SIGTERM handler within {timeout_s} s")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads signal masks from /proc")
 def test_idle_workers_outlive_a_sigterm_from_outside():
     """Slurm signals every process of a job step, the rank's reward workers too. An idle worker
     waits for work holding the pool's task-queue lock, so one killed there would leave the pool
@@ -122,7 +135,10 @@ def test_idle_workers_outlive_a_sigterm_from_outside():
     first = scorer.score(*batch).total
     workers = [p for p in multiprocessing.active_children() if p not in children_before]
     assert len(workers) == 2
+    # The pool's workers are spawned: one that did no task may still be importing, before its
+    # initializer installed the handler. Signal each once the kernel lists SIGTERM as caught.
     for worker in workers:
+        _wait_for_sigterm_handler(worker.pid)
         os.kill(worker.pid, signal.SIGTERM)
     time.sleep(0.5)
     assert all(worker.is_alive() for worker in workers)
