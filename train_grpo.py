@@ -115,6 +115,8 @@ def run(cfg: Config, stop: GracefulStop) -> None:
                 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
                 torch.use_deterministic_algorithms(True)
             batch_invariant.enable(cfg.job.bitwise_logprobs)
+            if cfg.job.bitwise_logprobs and is_leader:
+                print(f"numerics: batch-invariant log-probs, {batch_invariant.describe(device)}", flush=True)
             scorer = None
             if roles.is_trainer:
                 r = cfg.rewards

@@ -3,12 +3,12 @@ bitwise in the same run, one JSON line per mode.
 
     python3 bench/bitwise.py [--prompts 16] [--group 4] [--new-tokens 32] [--dim 64] [--layers 2]
 
-A random fp32 model of the demo's kind on the CPU (the mode runs there only so far): the engine
-generates `--group` completions of `--prompts` prompts of mixed lengths (decode tokens/s), then
-the trainer runs one step on them (training tokens/s: forward, backward and AdamW over prompt +
-completion tokens), and reports the gap between the engine's log-probs and its own recomputation
-(`logprob_diff/{max,mean,exact_frac}`). Each mode gets a fresh engine and trainer built from the
-same weights; times are the best of --reps.
+A random fp32 model of the demo's kind on the CPU (the reference path; bench/bitwise_runs.py
+measures whole runs, on a GPU the kernels): the engine generates `--group` completions of
+`--prompts` prompts of mixed lengths (decode tokens/s), then the trainer runs one step on them
+(training tokens/s: forward, backward and AdamW over prompt + completion tokens), and reports the
+gap between the engine's log-probs and its own recomputation (`logprob_diff/{max,mean,exact_frac}`).
+Each mode gets a fresh engine and trainer built from the same weights; times are the best of --reps.
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ class JobConfig:
     device: str = "auto"
     # bitwise-reproducible kernels (torch.use_deterministic_algorithms)
     deterministic: bool = False
-    # batch-invariant numerics: the engine's log-probs equal the trainer's recomputation bitwise (native engine, CPU only so far; slow)
+    # batch-invariant numerics: the engine's log-probs equal the trainer's recomputation bitwise (native engine, generator_tp = 1; invariant Triton kernels on CUDA, a slow reference on CPU)
     bitwise_logprobs: bool = False
 
 

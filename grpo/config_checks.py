@@ -187,8 +187,8 @@ def validate_config(cfg: Config, world_size: int) -> None:
     _require(mt.samples_prompts >= 1, "metrics.samples_prompts", mt.samples_prompts, "must be >= 1")
     _require(mt.peak_tflops >= 0, "metrics.peak_tflops", mt.peak_tflops, "must be >= 0 (0 = built-in table)")
 
+    _check_bitwise(cfg)  # first: with vLLM it is a contradiction, whether or not vLLM is installed
     _check_vllm(cfg)
-    _check_bitwise(cfg)
     prompts = d.prompts_per_step
     par = cfg.parallelism
     _require(par.weight_bucket_mb >= 1, "parallelism.weight_bucket_mb", par.weight_bucket_mb, "must be >= 1")
@@ -255,15 +255,9 @@ def _check_vllm(cfg: Config) -> None:
 
 
 def _check_bitwise(cfg: Config) -> None:
-    """job.bitwise_logprobs: the batch-invariant reference path serves the native engine on CPU."""
+    """job.bitwise_logprobs: batch-invariant kernels serve the native engine, whole on one rank."""
     if not cfg.job.bitwise_logprobs:
         return
-    device = _device_type(cfg)
-    if device != "cpu":
-        raise ConfigError(
-            "job.bitwise_logprobs = true runs on CPU only so far: its batch-invariant kernels for CUDA are "
-            "not built (set --job.device=cpu, or turn it off)"
-        )
     if cfg.generation.engine != "native":
         raise ConfigError(
             'job.bitwise_logprobs = true needs generation.engine = "native": vLLM computes its log-probs '

@@ -12,7 +12,8 @@ variable-length form (`torch.nn.attention.varlen`, `cu_seqlens`, forward and bac
 runs our Triton kernel (decode_kernel.py), which reads exactly the live keys once per KV head.
 Elsewhere (CPU, fp32) the sequences of each length run as one batched, causal
 `scaled_dot_product_attention` call: the reference path the tests use. With batch-invariant
-numerics on (model/batch_invariant.py), all three run its fixed-order block attention instead.
+numerics on (model/batch_invariant.py), all three run its fixed-order block attention instead:
+on CUDA the invariant Triton kernels (model/invariant_kernels.py), elsewhere the reference.
 """
 
 from __future__ import annotations
@@ -97,8 +98,15 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
     of `layout` (over the B * T tokens flattened row after row)."""
     B, T, H, D = q.shape
     if batch_invariant.enabled():
-        flat = (t.reshape(B * T, -1, D) for t in (q, k, v))
-        return batch_invariant.packed_attention(*flat, layout.bounds).view(B, T, H, D)
+        q, k, v = (t.reshape(B * T, -1, D) for t in (q, k, v))
+        if not batch_invariant.uses_kernels(q):
+            return batch_invariant.packed_attention(q, k, v, layout.bounds).view(B, T, H, D)
+
+        def recompute(q, k, v):
+            return _varlen_causal(q, k, v, layout) if uses_flash(q) else _by_length(q, k, v, layout.bounds)
+
+        out = batch_invariant.kernel_packed_attention(q, k, v, layout.cu_seqlens, layout.max_len, recompute)
+        return out.view(B, T, H, D)
     if not uses_flash(q) and len(layout.bounds) == B + 1 and layout.max_len == T:
         return _causal(q, k, v)  # one sequence per row: one batched call
     q, k, v = q.reshape(B * T, H, D), k.reshape(B * T, -1, D), v.reshape(B * T, -1, D)
@@ -151,6 +159,8 @@ def varlen_prefill(
     causal within each prompt. max_len: the longest prompt.
     """
     if batch_invariant.enabled():
+        if batch_invariant.uses_kernels(q):
+            return batch_invariant.kernel_packed_attention(q, k, v, cu_seqlens, max_len)
         return batch_invariant.packed_attention(q, k, v, cu_seqlens.tolist())
     if uses_flash(q):
         return _flash(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, True)
@@ -167,6 +177,8 @@ def slot_decode(
     position + 1). Rows may sit in any slot at any length.
     """
     if batch_invariant.enabled():
+        if batch_invariant.uses_kernels(q):
+            return batch_invariant.kernel_slot_attention(q, k_cache, v_cache, slots, lengths)
         return batch_invariant.slot_attention(q, k_cache, v_cache, slots, lengths)
     if uses_flash(q):
         # Imported here: Triton exists only where CUDA does.

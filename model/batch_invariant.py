@@ -1,24 +1,33 @@
 """Batch-invariant numerics: each token's result computed by the same operations in the same order,
-whatever else is in its batch (`numerics.bitwise`).
+whatever else is in its batch (`job.bitwise_logprobs`).
 
 The engine and the trainer see a token in different company: one decode row among a few, a prompt
 prefilled with others, one position of a packed training row. Kernels pick their tiling, their
 split of a reduction and their vector/scalar boundaries from the shapes they are given, so the
 same token's log-prob comes out a few ulps apart (or, in bf16, a few hundredths of a nat). With
-the mode on, every token-wise computation (the block halves around attention, the RoPE tables, the
-final norm, the output head and its log-softmax) runs on fixed blocks of `BLOCK` tokens, padded,
-so each call has one shape; attention runs over fixed blocks of `BLOCK` keys in a fixed order,
-with per-block partial results added up in order; blocks that lie wholly past a query add exact
-zeros. The engine's log-probs then equal the trainer's recomputation bitwise.
+the mode on, the engine's log-probs equal the trainer's recomputation bitwise, two ways:
+
+- On CUDA, the operations whose reductions would vary run as batch-invariant Triton kernels
+  (model/invariant_kernels.py): every matmul, RMSNorm, attention for prefill, decode and
+  training alike, and the log-softmax (model/head_kernel.py, already one program per row). The
+  logits come out of the head's matmul in fp32. Elementwise work stays compiled; Inductor rounds
+  where eager PyTorch would (`emulate_precision_casts`), so a fused kernel and an unfused one agree.
+  With TRITON_INTERPRET=1 the same kernels run on the CPU through Triton's interpreter (slow;
+  the tests check the kernels' logic that way where no GPU is).
+- Elsewhere (the CPU), the reference: every token-wise computation (the block halves around
+  attention, the RoPE tables, the final norm, the output head and its log-softmax) runs on fixed
+  blocks of `BLOCK` tokens, padded, so each call has one shape; attention runs over fixed blocks
+  of `BLOCK` keys in a fixed order, with per-block partial results added up in order; blocks that
+  lie wholly past a query add exact zeros. Slow (many small calls), and meant for tests.
 
 The mode is process-wide, like `torch.use_deterministic_algorithms`: `enable(True)` before
-building engines and trainers. This is the reference implementation, on any device; it is slow
-(many small calls), and meant for CPU runs and tests.
+building engines and trainers.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 
 import torch
@@ -26,16 +35,83 @@ import torch.nn.functional as F
 
 BLOCK = 32
 
-_state = {"on": False}
+_state = {"on": False, "ops": None, "interpret": False}
 
 
 def enable(on: bool = True) -> None:
     """Turn batch-invariant numerics on or off for this process."""
     _state["on"] = bool(on)
+    _state["interpret"] = bool(on) and os.environ.get("TRITON_INTERPRET") == "1"
+    if on and (torch.cuda.is_available() or _state["interpret"]):
+        import torch._inductor.config as inductor_config
+
+        from model import invariant_ops  # imported only here: Triton exists only where CUDA does
+
+        _state["ops"] = invariant_ops
+        inductor_config.emulate_precision_casts = True
 
 
 def enabled() -> bool:
     return _state["on"]
+
+
+def describe(device: torch.device) -> str:
+    """Which implementation serves work on `device`, in words (the run's start-up line)."""
+    if not enabled():
+        return "off"
+    if device.type == "cuda":
+        return "invariant Triton kernels"
+    if _state["interpret"]:
+        return "invariant Triton kernels under Triton's interpreter (TRITON_INTERPRET=1)"
+    return "the fixed-block reference (CPU)"
+
+
+def uses_kernels(t: torch.Tensor) -> bool:
+    """Whether the mode is on and t's work runs on the invariant kernels: on CUDA, or anywhere
+    under Triton's interpreter."""
+    return _state["on"] and (t.is_cuda or _state["interpret"])
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, on the invariant matmul where `uses_kernels(x)`."""
+    if uses_kernels(x):
+        return _state["ops"].invariant_linear(x, weight, bias, False)
+    return F.linear(x, weight, bias)
+
+
+def project(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """layer(x), its hooks included, or the invariant matmul where `uses_kernels(x)`."""
+    if uses_kernels(x):
+        return _state["ops"].invariant_linear(x, layer.weight, layer.bias, False)
+    return layer(x)
+
+
+def output_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The output head x [..., dim] @ weight [V, dim].T -> [..., V]: in x's dtype, or in fp32 from
+    the invariant matmul where `uses_kernels(x)` (the log-softmax reads them in fp32 anyway)."""
+    if uses_kernels(x):
+        return _state["ops"].invariant_linear(x, weight, None, True)
+    return F.linear(x, weight)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The invariant RMSNorm kernel (call where `uses_kernels(x)`)."""
+    return _state["ops"].invariant_rms_norm(x, weight, eps)
+
+
+def kernel_packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                          max_len: int, recompute: Callable | None = None) -> torch.Tensor:
+    """Invariant attention over packed sequences (invariant_kernels.packed_attention);
+    with `recompute` (q, k, v -> the same attention, differentiable), gradients flow through it."""
+    if recompute is None or not torch.is_grad_enabled():
+        return _state["ops"].kernels.packed_attention(q, k, v, cu_seqlens, max_len)
+    return _state["ops"].PackedAttention.apply(q, k, v, cu_seqlens, max_len, recompute)
+
+
+def kernel_slot_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                        lengths: torch.Tensor) -> torch.Tensor:
+    """Invariant single-query attention against cache slots (invariant_kernels.slot_attention)."""
+    return _state["ops"].kernels.slot_attention(q, k_cache, v_cache, slots, lengths)
 
 
 def in_blocks(fn: Callable[..., torch.Tensor | tuple], *tokens: torch.Tensor, rows: int = 1) -> torch.Tensor | tuple:
@@ -61,9 +137,9 @@ def in_blocks(fn: Callable[..., torch.Tensor | tuple], *tokens: torch.Tensor, ro
 
 def tokenwise(fn: Callable[..., torch.Tensor | tuple], *tokens: torch.Tensor, lead: int = 2) -> torch.Tensor | tuple:
     """fn(*tokens) for a row-wise fn over tensors whose first `lead` dims index tokens ([B, T, ...]
-    for lead 2); with the mode on, run through `in_blocks` over the flattened tokens. Output
+    for lead 2); with the mode on off CUDA, run through `in_blocks` over the flattened tokens. Output
     shapes are the same either way."""
-    if not enabled():
+    if not enabled() or uses_kernels(tokens[0]):  # the kernels themselves are invariant
         return fn(*tokens)
     shape = tokens[0].shape[:lead]
     flat = in_blocks(fn, *(t.reshape(-1, *t.shape[lead:]) for t in tokens), rows=lead)

@@ -10,7 +10,9 @@ their gradient in one elementwise pass, from the closed forms (s = logits / T, p
 
 so neither pass runs the softmax twice, and no autograd graph over `[chunk, V]` tensors exists.
 On CUDA in bf16/fp16 the two per-chunk passes run as Triton kernels (head_kernel.py), each one
-read of the chunk's logits; elsewhere the plain tensor code below, which they must equal.
+read of the chunk's logits; elsewhere the plain tensor code below, which they must equal. With
+batch-invariant numerics on, the logits come from the invariant matmul in fp32 on CUDA
+(model/batch_invariant.py), and on the CPU the chunks are its fixed blocks.
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ def chunk_grad(
 
 def _kernels(logits_like: torch.Tensor):
     """The (stats, grad) pair serving tensors like logits_like."""
-    if fast_kernels_serve(logits_like.device, logits_like.dtype):
+    if batch_invariant.uses_kernels(logits_like) or fast_kernels_serve(logits_like.device, logits_like.dtype):
         # Imported here: Triton exists only where CUDA does.
         from model.head_kernel import chunk_grad_triton, chunk_stats_triton
 
@@ -68,18 +70,23 @@ def _kernels(logits_like: torch.Tensor):
     return chunk_stats, chunk_grad
 
 
+def _logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """A chunk's logits [N, V]: F.linear, or fp32 from the invariant matmul (batch_invariant.output_logits)."""
+    return batch_invariant.output_logits(hidden, weight)
+
+
 class _ChunkedHead(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature: float):
         stats, _ = _kernels(hidden)
-        if batch_invariant.enabled():
+        if batch_invariant.enabled() and not batch_invariant.uses_kernels(hidden):
             # Blocks of one shape, as the engine computes its log-probs (grpo/engine/sampling.py).
             logprob, entropy, log_z = batch_invariant.in_blocks(
                 lambda h, t: stats(F.linear(h, weight), t, temperature), hidden, targets
             )
         else:
             parts = [
-                stats(F.linear(hidden[start : start + LOGPROB_CHUNK_TOKENS], weight),
+                stats(_logits(hidden[start : start + LOGPROB_CHUNK_TOKENS], weight),
                       targets[start : start + LOGPROB_CHUNK_TOKENS], temperature)
                 for start in range(0, hidden.shape[0], LOGPROB_CHUNK_TOKENS)
             ]
@@ -100,10 +107,11 @@ class _ChunkedHead(torch.autograd.Function):
         grad_weight = torch.zeros(weight.shape, dtype=wide, device=weight.device) if ctx.needs_input_grad[1] else None
         for start in range(0, hidden.shape[0], LOGPROB_CHUNK_TOKENS):
             chunk = slice(start, start + LOGPROB_CHUNK_TOKENS)
+            # The forward's logits exactly (fp32 on the invariant kernels), so p sums to one.
             grad_logits = grad_of_logits(
-                F.linear(hidden[chunk], weight), targets[chunk], log_z[chunk], entropy[chunk],
+                _logits(hidden[chunk], weight), targets[chunk], log_z[chunk], entropy[chunk],
                 grad_logprob[chunk], grad_entropy[chunk], ctx.temperature,
-            )
+            ).to(hidden.dtype)
             if grad_hidden is not None:
                 grad_hidden[chunk] = grad_logits @ weight
             if grad_weight is not None:

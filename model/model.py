@@ -7,8 +7,10 @@ Two paths share the same layers:
 - `decode`: prefill and single-token steps over tokens packed on one axis, with the caller's
   cache-aware attention between the two halves of each block (the engine owns the KV cache).
 
-Every token-wise step goes through `batch_invariant.tokenwise`: a plain call, or with batch-invariant
-numerics on (`job.bitwise_logprobs`), the same call on fixed blocks of tokens.
+Every token-wise step goes through `batch_invariant.tokenwise`, and every matmul through
+`batch_invariant.linear` / `project` / `output_logits`: plain calls, or with batch-invariant
+numerics on (`job.bitwise_logprobs`), the invariant CUDA kernels, or on the CPU the same calls
+on fixed blocks of tokens.
 
 Numerics follow the HF reference implementations operation by operation (RMSNorm in fp32, RoPE
 tables in fp32 cast to the activation dtype) so that outputs agree with `transformers`.
@@ -26,7 +28,8 @@ from torch import nn
 
 from model.args import ModelArgs
 from model.attention import SequenceLayout, packed_attention, sequence_layout
-from model.batch_invariant import tokenwise
+from model import batch_invariant
+from model.batch_invariant import linear, output_logits, project, tokenwise
 from model.logprob_head import target_logprobs
 
 class RMSNorm(nn.Module):
@@ -38,6 +41,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if batch_invariant.uses_kernels(x):
+            return batch_invariant.rms_norm(x, self.weight, self.eps)
         input_dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -107,9 +112,9 @@ class Attention(nn.Module):
         kv_width = self.n_kv_heads * self.head_dim
         widths = [self.n_heads * self.head_dim, kv_width, kv_width]
         if self.wqkv is not None:
-            q, k, v = F.linear(x, self.wqkv, self.bqkv).split(widths, -1)
+            q, k, v = linear(x, self.wqkv, self.bqkv).split(widths, -1)
         else:
-            q, k, v = self.wq(x), self.wk(x), self.wv(x)
+            q, k, v = project(self.wq, x), project(self.wk, x), project(self.wv, x)
         q = q.reshape(B, T, self.n_heads, self.head_dim)
         k = k.reshape(B, T, self.n_kv_heads, self.head_dim)
         v = v.reshape(B, T, self.n_kv_heads, self.head_dim)
@@ -136,10 +141,10 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.w13 is not None:
-            gate, up = F.linear(x, self.w13).chunk(2, dim=-1)
+            gate, up = linear(x, self.w13).chunk(2, dim=-1)
         else:
-            gate, up = self.w1(x), self.w3(x)
-        return self.w2(F.silu(gate) * up)
+            gate, up = project(self.w1, x), project(self.w3, x)
+        return project(self.w2, F.silu(gate) * up)
 
 
 def _fuse(*linears: nn.Linear) -> torch.Tensor:
@@ -186,7 +191,7 @@ class TransformerBlock(nn.Module):
 
     def after_attention(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """x [B, T, dim], attn [B, T, H, D] (attention output) -> the block's output [B, T, dim]."""
-        x = x + self.attention.wo(attn.flatten(-2))
+        x = x + project(self.attention.wo, attn.flatten(-2))
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -253,7 +258,7 @@ class Transformer(nn.Module):
         positions [B, T]: position of each token within its own sequence (default 0..T-1).
         doc_ids [B, T]: sequence id of each token; attention stays within equal ids, and a sequence's
             tokens must be contiguous in the row (default: one sequence per row).
-        Without targets: logits [B, T, V] in the compute dtype.
+        Without targets: logits [B, T, V] in the compute dtype (fp32 on the invariant CUDA kernels).
         With targets [B, T]: TokenLogprobs of log softmax(logits / temperature)[target] and the entropy
             of that distribution, in fp32, computed chunk by chunk (model/logprob_head.py).
         """
@@ -267,7 +272,7 @@ class Transformer(nn.Module):
             h = layer(h, cos, sin, layout)
         h = tokenwise(self.norm, h)
         if targets is None:
-            return tokenwise(lambda x: F.linear(x, self.output_weight), h)
+            return tokenwise(lambda x: output_logits(x, self.output_weight), h)
         logprobs, entropy = target_logprobs(h, self.output_weight, targets, temperature)
         # Cloned out of the views so that FSDP's pre-backward hook sits on a tensor no in-place op can bypass.
         return TokenLogprobs(logprobs.clone(), entropy.clone())
@@ -279,7 +284,8 @@ class Transformer(nn.Module):
         attend: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
         logits_index: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Inference pass over tokens packed on one axis: tokens, positions [N] -> logits [N, V].
+        """Inference pass over tokens packed on one axis: tokens, positions [N] -> logits [N, V] (in
+        the compute dtype, fp32 on the invariant CUDA kernels).
 
         attend(layer, q [N, H, D], k [N, Hkv, D], v [N, Hkv, D]) -> [N, H, D] is the caller's
         cache-aware attention (it stores k and v and attends over whatever the cache holds).
@@ -287,7 +293,7 @@ class Transformer(nn.Module):
         """
         h = self.decode_hidden(tokens, positions, attend)
         h = h if logits_index is None else h[logits_index]
-        return tokenwise(lambda x: F.linear(x, self.output_weight), h, lead=1)
+        return tokenwise(lambda x: output_logits(x, self.output_weight), h, lead=1)
 
     def decode_hidden(
         self,

@@ -125,8 +125,8 @@ def test_demo_run_reports_exact_logprobs_every_step(tmp_path, mode, nproc):
 
 
 def test_bitwise_logprobs_refuses_what_it_does_not_cover(tmp_path):
-    run = launch([*SHORT, "--job.bitwise_logprobs=true", "--job.device=cuda", "--parallelism.mode=colocated",
-                  f"--job.output_dir={tmp_path}"], nproc=None)
+    run = launch([*SHORT, "--job.bitwise_logprobs=true", "--parallelism.mode=colocated", '--generation.engine="vllm"',
+                  "--generation.kv_cache_gb=1", f"--job.output_dir={tmp_path}"], nproc=None)
     assert run.returncode != 0
-    assert "job.bitwise_logprobs" in run.stderr and "CPU" in run.stderr
+    assert "job.bitwise_logprobs" in run.stderr and "vLLM" in run.stderr
     assert "Traceback" not in run.stderr

@@ -319,8 +319,10 @@ def test_gsm8k_recipe_validates_once_its_paths_are_filled(tmp_path):
 
 def test_bitwise_logprobs_refusals_name_the_key_and_the_reason():
     assert load("--job.bitwise_logprobs=true", "--job.device=cpu").job.bitwise_logprobs
-    message = error("--job.bitwise_logprobs=true", "--job.device=cuda")
-    assert "job.bitwise_logprobs" in message and "CPU only" in message
+    assert load("--job.bitwise_logprobs=true", "--job.device=cuda").job.bitwise_logprobs
+    message = error("--job.bitwise_logprobs=true", "--job.device=cuda", '--generation.engine="vllm"',
+                    "--generation.kv_cache_gb=4")
+    assert "job.bitwise_logprobs" in message and 'engine = "native"' in message
     message = error("--job.bitwise_logprobs=true", "--job.device=cpu", "--parallelism.generator_ranks=2",
                     "--parallelism.generator_tp=2", world_size=3)
     assert "job.bitwise_logprobs" in message and "generator_tp = 1" in message

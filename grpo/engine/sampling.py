@@ -77,8 +77,13 @@ def sample(
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
     """log softmax(logits / temperature)[tokens]: logits [B, V] fp32, tokens [B] -> [B] fp32, by
-    the trainer's formula (model/logprob_head.py); with batch-invariant numerics on, on the same
-    fixed blocks of rows the trainer's head uses, so the two agree bitwise."""
+    the trainer's formula (model/logprob_head.py); with batch-invariant numerics on, by the
+    trainer's own kernel on CUDA, elsewhere on the fixed blocks of rows its head uses, so the two
+    agree bitwise."""
+    if batch_invariant.uses_kernels(logits):
+        from model.head_kernel import chunk_stats_triton  # the trainer's kernel: one program per row
+
+        return chunk_stats_triton(logits.contiguous(), tokens, temperature)[0]
     if batch_invariant.enabled():
         return batch_invariant.in_blocks(lambda l, t: chunk_stats(l, t, temperature)[0], logits, tokens)
     scaled = logits / temperature

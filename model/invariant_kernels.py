@@ -1,0 +1,227 @@
+"""Batch-invariant Triton kernels for CUDA: the matmul, RMSNorm and attention of
+`job.bitwise_logprobs` (model/batch_invariant.py says why and what).
+
+A kernel is batch-invariant when each output row is computed by the same instructions in the same
+order whatever the other rows are. cuBLAS and flash attention are not: they pick a tiling, and a
+split of the reduction across thread blocks, from the shapes they are given. Here:
+
+- matmul: one program per output tile, the whole K loop in order, one tile setting for every shape,
+  no split-K. A row's result depends only on its own inputs and K (a compile-time constant: a
+  model has a handful of K values).
+- RMSNorm: one program per row, one fixed tile over the row.
+- attention: one program per 16-row query tile; rows are query positions of one head (packed
+  prefill and training) or the query heads sharing a K/V head (decode). Both run the same
+  block step (`_attend_block`) over key blocks of 64 positions from position 0, in order; blocks
+  past a row's position add exact zeros. A token's attention output is the same bits whether
+  it was prefilled, decoded from the cache, or recomputed in a packed training row.
+
+Only the forward passes are invariant; gradients need not be (model/invariant_ops.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# The matmul's tiles: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages), one setting for every shape.
+MATMUL_TILES = (128, 128, 64, 8, 3)
+GROUP_M = 8  # programs walk output tiles in groups of GROUP_M row tiles (L2 reuse; no effect on values)
+
+ATTENTION_BLOCK_M = 16  # query rows per program (the tensor-core minimum)
+ATTENTION_BLOCK_N = 64  # keys per block step
+ATTENTION_WARPS = 4
+
+
+def _precision(t: torch.Tensor) -> str:
+    """tl.dot's input precision: full fp32 for fp32 inputs (as F.linear without TF32), else native."""
+    return "ieee" if t.dtype == torch.float32 else "tf32"
+
+
+@triton.jit
+def _matmul_kernel(a, b, bias, c, M, N, stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
+                   K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   GROUP: tl.constexpr, PRECISION: tl.constexpr):
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    group_size = GROUP * tiles_n
+    first_m = (pid // group_size) * GROUP
+    rows_in_group = tl.minimum(tiles_m - first_m, GROUP)
+    tile_m = first_m + (pid % group_size) % rows_in_group
+    tile_n = (pid % group_size) // rows_in_group
+    rm = (tile_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    rn = (tile_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + rk
+        x = tl.load(a + rm[:, None] * stride_am + kk[None, :] * stride_ak,
+                    mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
+        w = tl.load(b + rn[None, :] * stride_bn + kk[:, None] * stride_bk,
+                    mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0)
+        acc = tl.dot(x, w, acc, input_precision=PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(bias + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(c + rm[:, None] * stride_cm + rn[None, :] * stride_cn, acc.to(c.dtype.element_ty),
+             mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """x [M, K] @ weight [N, K].T (+ bias [N]) -> [M, N] in out_dtype, accumulated in fp32."""
+    M, K = x.shape
+    N = weight.shape[0]
+    out = torch.empty((M, N), dtype=out_dtype, device=x.device)
+    if M == 0:
+        return out
+    block_m, block_n, block_k, warps, stages = MATMUL_TILES
+    grid = (triton.cdiv(M, block_m) * triton.cdiv(N, block_n),)
+    _matmul_kernel[grid](
+        x, weight, bias if bias is not None else weight, out, M, N,
+        x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1),
+        K=K, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP=GROUP_M,
+        PRECISION=_precision(x), num_warps=warps, num_stages=stages,
+    )
+    return out
+
+
+@triton.jit
+def _rms_norm_kernel(x, weight, out, stride_x, stride_out, D, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    inside = cols < D
+    v = tl.load(x + row * stride_x + cols, mask=inside, other=0.0).to(tl.float32)
+    # HF's order: mean of squares in fp32, plus eps, rsqrt; normalised, cast back, then scaled.
+    inv_rms = 1.0 / tl.sqrt(tl.sum(v * v, 0) / D + eps)
+    normed = (v * inv_rms).to(out.dtype.element_ty).to(tl.float32)
+    w = tl.load(weight + cols, mask=inside, other=0.0).to(tl.float32)
+    tl.store(out + row * stride_out + cols, (w * normed).to(out.dtype.element_ty), mask=inside)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [R, D] (rows contiguous), weight [D] -> [R, D] in x's dtype."""
+    R, D = x.shape
+    out = torch.empty_like(x)
+    if R:
+        _rms_norm_kernel[(R,)](x, weight, out, x.stride(0), out.stride(0), D, eps,
+                               BLOCK=triton.next_power_of_2(D), num_warps=4)
+    return out
+
+
+@triton.jit
+def _attend_block(q, k, v, live, m, l, acc, scale, PRECISION: tl.constexpr):
+    """One key block of the online softmax: q [BM, D], k/v [BN, D], live [BM, BN] -> m, l, acc."""
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+    s = tl.where(live, s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    alpha = tl.exp(m - m_new)
+    p = tl.exp(s - m_new[:, None])
+    l = l * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l, acc
+
+
+@triton.jit
+def _packed_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_seqlens, scale,
+                   stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+                   G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   PRECISION: tl.constexpr):
+    q_block = tl.program_id(0)
+    seq = tl.program_id(1)
+    head = tl.program_id(2)
+    start = tl.load(cu_seqlens + seq).to(tl.int64)
+    length = tl.load(cu_seqlens + seq + 1) - start
+    if q_block * BLOCK_M < length:
+        d = tl.arange(0, D)
+        pos = q_block * BLOCK_M + tl.arange(0, BLOCK_M)
+        rows_live = pos < length
+        q = tl.load(q_ptr + (start + pos)[:, None] * stride_qt + head * stride_qh + d[None, :],
+                    mask=rows_live[:, None], other=0.0)
+        kv_head = head // G
+        k_base = k_ptr + start * stride_kt + kv_head * stride_kh
+        v_base = v_ptr + start * stride_vt + kv_head * stride_vh
+        m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+        l = tl.zeros((BLOCK_M,), tl.float32)
+        acc = tl.zeros((BLOCK_M, D), tl.float32)
+        visible = tl.minimum(length, (q_block + 1) * BLOCK_M)
+        for key_start in range(0, visible, BLOCK_N):
+            n = key_start + tl.arange(0, BLOCK_N)
+            keys_live = n < length
+            k = tl.load(k_base + n[:, None] * stride_kt + d[None, :], mask=keys_live[:, None], other=0.0)
+            v = tl.load(v_base + n[:, None] * stride_vt + d[None, :], mask=keys_live[:, None], other=0.0)
+            m, l, acc = _attend_block(q, k, v, n[None, :] <= pos[:, None], m, l, acc, scale, PRECISION)
+        out = acc / l[:, None]
+        tl.store(out_ptr + (start + pos)[:, None] * stride_ot + head * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=rows_live[:, None])
+
+
+@triton.jit
+def _slot_kernel(q_ptr, k_ptr, v_ptr, out_ptr, slots_ptr, lengths_ptr, scale,
+                 stride_qb, stride_qh, stride_ks, stride_kl, stride_kh, stride_ob, stride_oh,
+                 G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 PRECISION: tl.constexpr):
+    row = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    slot = tl.load(slots_ptr + row).to(tl.int64)
+    length = tl.load(lengths_ptr + row)
+    g = tl.arange(0, BLOCK_M)
+    d = tl.arange(0, D)
+    heads = kv_head * G + g
+    q = tl.load(q_ptr + row * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=g[:, None] < G, other=0.0)
+    k_base = k_ptr + slot * stride_ks + kv_head * stride_kh
+    v_base = v_ptr + slot * stride_ks + kv_head * stride_kh
+    m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, D), tl.float32)
+    for key_start in range(0, length, BLOCK_N):
+        n = key_start + tl.arange(0, BLOCK_N)
+        keys_live = n < length
+        k = tl.load(k_base + n[:, None] * stride_kl + d[None, :], mask=keys_live[:, None], other=0.0)
+        v = tl.load(v_base + n[:, None] * stride_kl + d[None, :], mask=keys_live[:, None], other=0.0)
+        live = tl.broadcast_to(keys_live[None, :], (BLOCK_M, BLOCK_N))  # every head row sees the same keys
+        m, l, acc = _attend_block(q, k, v, live, m, l, acc, scale, PRECISION)
+    out = acc / l[:, None]
+    tl.store(out_ptr + row * stride_ob + heads[:, None] * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=g[:, None] < G)
+
+
+def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                     max_len: int) -> torch.Tensor:
+    """q [N, H, D], k/v [N, Hkv, D] (last dim contiguous), sequence s spanning
+    cu_seqlens[s]:cu_seqlens[s + 1] (int32 [S + 1], on the device) -> [N, H, D], causal within
+    each sequence."""
+    N, H, D = q.shape
+    out = torch.empty_like(q)
+    S = cu_seqlens.shape[0] - 1
+    if N == 0 or S == 0:
+        return out
+    grid = (triton.cdiv(max_len, ATTENTION_BLOCK_M), S, H)
+    _packed_kernel[grid](
+        q, k, v, out, cu_seqlens, D**-0.5,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+        G=H // k.shape[1], D=D, BLOCK_M=ATTENTION_BLOCK_M, BLOCK_N=ATTENTION_BLOCK_N,
+        PRECISION=_precision(q), num_warps=ATTENTION_WARPS,
+    )
+    return out
+
+
+def slot_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                   lengths: torch.Tensor) -> torch.Tensor:
+    """q [B, H, D] against k_cache / v_cache [S, L, Hkv, D]: row b's query sits at position
+    lengths[b] - 1 of slot slots[b] and attends to its first lengths[b] keys -> [B, H, D]."""
+    B, H, D = q.shape
+    Hkv = k_cache.shape[2]
+    if H // Hkv > ATTENTION_BLOCK_M:
+        raise ValueError(f"bitwise attention serves at most {ATTENTION_BLOCK_M} query heads per K/V head, "
+                         f"not {H // Hkv}")
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    if B == 0:
+        return out
+    _slot_kernel[(B, Hkv)](
+        q, k_cache, v_cache, out, slots, lengths, D**-0.5,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), out.stride(0), out.stride(1),
+        G=H // Hkv, D=D, BLOCK_M=ATTENTION_BLOCK_M, BLOCK_N=ATTENTION_BLOCK_N,
+        PRECISION=_precision(q), num_warps=ATTENTION_WARPS,
+    )
+    return out

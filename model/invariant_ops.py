@@ -1,0 +1,99 @@
+"""The batch-invariant CUDA kernels (invariant_kernels.py) as PyTorch operators with gradients.
+
+The matmul and RMSNorm are custom operators, so a compiled block traces them as opaque calls
+(no graph break, CUDA graphs intact). Attention runs eagerly between the compiled halves, as an
+autograd function. Only forward values must be invariant: gradients come from the standard
+kernels (cuBLAS for the matmul's, flash attention's backward over a recomputed forward, the
+closed form for RMSNorm), which is what keeps the trainer's cost near the default mode's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from model import invariant_kernels as kernels
+
+
+@torch.library.custom_op("tandem::invariant_linear", mutates_args=())
+def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fp32_out: bool) -> torch.Tensor:
+    """x [..., K] @ weight [N, K].T (+ bias) -> [..., N], in fp32 when fp32_out, else x's dtype."""
+    flat = x.reshape(-1, x.shape[-1])
+    out = kernels.matmul(flat, weight, bias, torch.float32 if fp32_out else x.dtype)
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+@invariant_linear.register_fake
+def _(x, weight, bias, fp32_out):
+    return x.new_empty(*x.shape[:-1], weight.shape[0], dtype=torch.float32 if fp32_out else x.dtype)
+
+
+def _linear_context(ctx, inputs, output) -> None:
+    x, weight, bias, _ = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.has_bias = bias is not None
+
+
+def _linear_backward(ctx, grad):
+    x, weight = ctx.saved_tensors
+    grad = grad.to(x.dtype)
+    flat_grad = grad.reshape(-1, grad.shape[-1])
+    grad_x = grad @ weight if ctx.needs_input_grad[0] else None
+    grad_weight = flat_grad.t() @ x.reshape(-1, x.shape[-1]) if ctx.needs_input_grad[1] else None
+    grad_bias = flat_grad.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+    return grad_x, grad_weight, grad_bias, None
+
+
+invariant_linear.register_autograd(_linear_backward, setup_context=_linear_context)
+
+
+@torch.library.custom_op("tandem::invariant_rms_norm", mutates_args=())
+def invariant_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim of x [..., D] (model.RMSNorm's numerics) -> x's shape and dtype."""
+    return kernels.rms_norm(x.reshape(-1, x.shape[-1]).contiguous(), weight, eps).view(x.shape)
+
+
+@invariant_rms_norm.register_fake
+def _(x, weight, eps):
+    return torch.empty_like(x)
+
+
+def _rms_norm_context(ctx, inputs, output) -> None:
+    x, weight, eps = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.eps = eps
+
+
+def _rms_norm_backward(ctx, grad):
+    # y = w * cast(n), n = x / rms(x); the cast passes gradients through. With g = dL/dn:
+    # dL/dx = (g - n * mean(g * n)) / rms(x).
+    x, weight = ctx.saved_tensors
+    wide = x.float()
+    inv_rms = torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + ctx.eps)
+    normed = wide * inv_rms
+    grad = grad.float()
+    g = grad * weight.float()
+    grad_x = (inv_rms * (g - normed * (g * normed).mean(-1, keepdim=True))).to(x.dtype)
+    grad_weight = (grad * normed.to(x.dtype).float()).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
+    return grad_x, grad_weight, None
+
+
+invariant_rms_norm.register_autograd(_rms_norm_backward, setup_context=_rms_norm_context)
+
+
+class PackedAttention(torch.autograd.Function):
+    """Invariant causal attention over packed sequences, forward; the backward recomputes the
+    same function with flash attention (`recompute`) and returns its gradients."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens, max_len: int, recompute):
+        ctx.save_for_backward(q, k, v)
+        ctx.recompute = recompute
+        return kernels.packed_attention(q, k, v, cu_seqlens, max_len)
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v = (t.detach().requires_grad_() for t in ctx.saved_tensors)
+        with torch.enable_grad():
+            out = ctx.recompute(q, k, v)
+        grad_q, grad_k, grad_v = torch.autograd.grad(out, (q, k, v), grad)
+        return grad_q, grad_k, grad_v, None, None, None

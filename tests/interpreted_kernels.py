@@ -1,0 +1,110 @@
+"""Checks of the batch-invariant kernels (model/invariant_kernels.py) run on the CPU through
+Triton's interpreter; tests/test_invariant_kernels.py runs each in a process of its own with
+TRITON_INTERPRET=1 (it must be set before the kernels are defined).
+
+    TRITON_INTERPRET=1 python -m tests.interpreted_kernels matmul|rms_norm|attention|gradients
+
+Each check compares a kernel with plain PyTorch, and each row of its output with the same row
+computed in other company: other row counts and offsets, fused or split weights, a sequence
+packed with others or alone, prefilled or decoded from a cache holding stale values. The
+interpreter runs the kernels' own index arithmetic, masks and block order in numpy, so these check
+the logic that invariance rests on; the hardware's part is tests/test_bitwise_gpu.py's. Inputs are
+fp32: the interpreter's `tl.dot` does not compute bf16 inputs correctly (Triton 3.9).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from model import invariant_kernels as kernels
+from model import invariant_ops
+
+
+def close(got: torch.Tensor, want: torch.Tensor, tol: float = 1e-4) -> None:
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+
+
+def check_matmul() -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(300, 80, generator=g)
+    w = torch.randn(200, 80, generator=g)
+    bias = torch.randn(200, generator=g)
+    full = kernels.matmul(x, w, bias, torch.float32)
+    close(full, F.linear(x, w, bias))
+    for start, rows in ((0, 1), (3, 7), (128, 129), (37, 263)):
+        assert torch.equal(kernels.matmul(x[start : start + rows], w, bias, torch.float32), full[start : start + rows])
+    parts = [kernels.matmul(x, part, b, torch.float32) for part, b in zip(w.split([120, 50, 30]), bias.split([120, 50, 30]))]
+    assert torch.equal(torch.cat(parts, dim=1), full)
+    assert kernels.matmul(x[:0], w, None, torch.float32).shape == (0, 200)
+
+
+def check_rms_norm() -> None:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(50, 48, generator=g) * 3
+    w = torch.rand(48, generator=g) + 0.5
+    full = kernels.rms_norm(x, w, 1e-6)
+    close(full, w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)))
+    for start, rows in ((0, 1), (5, 33)):
+        assert torch.equal(kernels.rms_norm(x[start : start + rows].contiguous(), w, 1e-6), full[start : start + rows])
+
+
+def check_attention() -> None:
+    g = torch.Generator().manual_seed(2)
+    H, Hkv, D = 4, 2, 16
+    lengths = [1, 70, 16, 5]
+    q, k, v = (torch.randn(sum(lengths), h, D, generator=g) for h in (H, Hkv, Hkv))
+    bounds = torch.tensor([0] + lengths).cumsum(0).tolist()
+    packed = kernels.packed_attention(q, k, v, torch.tensor(bounds, dtype=torch.int32), max(lengths))
+    L = max(lengths) + 9
+    # The cache past each sequence's end holds stale values; NaNs among them must not leak in.
+    k_cache = torch.full((len(lengths), L, Hkv, D), float("nan"))
+    v_cache = torch.full_like(k_cache, float("nan"))
+    rows, slots, positions = [], [], []
+    for s, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
+        want = F.scaled_dot_product_attention(q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1),
+                                              is_causal=True, enable_gqa=True).transpose(0, 1)
+        close(packed[a:b], want)
+        alone = kernels.packed_attention(q[a:b], k[a:b], v[a:b], torch.tensor([0, b - a], dtype=torch.int32), b - a)
+        assert torch.equal(alone, packed[a:b])
+        k_cache[s, : b - a], v_cache[s, : b - a] = k[a:b], v[a:b]
+        rows += range(a, b)
+        slots += [s] * (b - a)
+        positions += range(b - a)
+    decoded = kernels.slot_attention(q[rows], k_cache, v_cache, torch.tensor(slots),
+                                     torch.tensor(positions, dtype=torch.int32) + 1)
+    assert torch.equal(decoded, packed[rows])
+
+
+def check_gradients() -> None:
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 7, 80, generator=g)
+    w = torch.randn(50, 80, generator=g)
+    bias = torch.randn(50, generator=g)
+    ours = [t.clone().requires_grad_() for t in (x, w, bias)]
+    theirs = [t.clone().requires_grad_() for t in (x, w, bias)]
+    invariant_ops.invariant_linear(*ours, True).square().sum().backward()
+    F.linear(*theirs).square().sum().backward()
+    for a, b in zip(ours, theirs):
+        close(a.grad, b.grad, 1e-3)
+
+    x = torch.randn(4, 6, 48, generator=g) * 2
+    w = torch.rand(48, generator=g) + 0.5
+    upstream = torch.randn(4, 6, 48, generator=g)
+    ours = [t.clone().requires_grad_() for t in (x, w)]
+    theirs = [t.clone().requires_grad_() for t in (x, w)]
+    (invariant_ops.invariant_rms_norm(*ours, 1e-6) * upstream).sum().backward()
+    xt, wt = theirs
+    ((wt * (xt * torch.rsqrt(xt.pow(2).mean(-1, keepdim=True) + 1e-6))) * upstream).sum().backward()
+    for a, b in zip(ours, theirs):
+        close(a.grad, b.grad)
+
+
+CHECKS = {"matmul": check_matmul, "rms_norm": check_rms_norm, "attention": check_attention,
+          "gradients": check_gradients}
+
+if __name__ == "__main__":
+    CHECKS[sys.argv[1]]()
+    print(f"{sys.argv[1]}: ok")
