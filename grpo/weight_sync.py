@@ -7,10 +7,11 @@ box of index ranges derived from (global shape, placements, mesh shape, coordina
 `torch.chunk` semantics, the same rule FSDP2 uses for uneven first dimensions. Both sides compute
 the same bucket plan from parameter shapes alone, so no metadata travels at sync time.
 
-Each trainer rank casts its own shards to the generator dtype into one bucket buffer at a time and
-broadcasts it over a process group that joins it with every generator rank; each generator copies
-the intersection of every received box with its own box into the engine's existing parameters.
-No rank holds more than one bucket beyond its own shard.
+Each trainer rank casts its own shards to the generator dtype into a bucket buffer and broadcasts
+it over a process group that joins it with every generator rank; each generator copies the
+intersection of every received box with its own box into the engine's existing parameters. Two
+buffers alternate on each side, so packing, the transfer and unpacking of consecutive buckets
+overlap; no rank holds more than two buckets beyond its own shard.
 """
 
 from __future__ import annotations
@@ -145,25 +146,54 @@ class WeightSync:
         self.total_bytes = sum(math.prod(s) for s in shapes.values()) * torch.empty((), dtype=dtype).element_size()
 
     def send(self, params: dict[str, torch.Tensor]) -> None:
-        """Trainer side: broadcast this rank's shards of `params` (FSDP2 DTensors), bucket by bucket."""
+        """Trainer side: broadcast this rank's shards of `params` (FSDP2 DTensors), bucket by bucket.
+
+        Two bucket buffers alternate: bucket i + 1 is packed while bucket i is on the wire, and a
+        buffer is refilled only once its last broadcast is done."""
         me = self.trainer_ranks.index(dist.get_rank())
-        buffer = torch.empty(self.bucket_numel, dtype=self.dtype, device=self.device)
-        for bucket in self.plans[me]:
+        plan = self.plans[me]
+        buffers = [torch.empty(self.bucket_numel, dtype=self.dtype, device=self.device) for _ in range(min(2, len(plan)))]
+        in_flight: list[dist.Work | None] = [None] * len(buffers)
+        for i, bucket in enumerate(plan):
+            slot = i % len(buffers)
+            if in_flight[slot] is not None:
+                in_flight[slot].wait()
+            buffer = buffers[slot]
             for entry in bucket:
                 param = params[entry.name]
                 local = param.to_local() if isinstance(param, DTensor) else param
                 own = shard_box(param.shape, (Shard(0),), (len(self.trainer_ranks),), (me,))
                 piece = local.detach()[_slices(entry.box, own)]
                 buffer[entry.offset : entry.offset + piece.numel()].view(piece.shape).copy_(piece)
-            dist.broadcast(buffer[: _bucket_numel(bucket)], src=dist.get_rank(), group=self.groups[me])
+            in_flight[slot] = dist.broadcast(buffer[: _bucket_numel(bucket)], src=dist.get_rank(),
+                                             group=self.groups[me], async_op=True)
+        for work in in_flight:
+            if work is not None:
+                work.wait()
 
     def receive(self, engine, version: int) -> None:
-        """Generator side: receive every trainer rank's buckets and write them into `engine`."""
-        buffer = torch.empty(self.bucket_numel, dtype=self.dtype, device=self.device)
-        for t, plan in enumerate(self.plans):
-            for bucket in plan:
-                dist.broadcast(buffer[: _bucket_numel(bucket)], src=self.trainer_ranks[t], group=self.groups[t])
-                engine.update_weights([self._unpack(bucket, buffer)], version)
+        """Generator side: receive every trainer rank's buckets and write them into `engine`.
+
+        Two bucket buffers alternate: bucket i + 1 arrives while bucket i is unpacked. Buckets
+        of different trainer ranks travel on different groups; those are not overlapped, so no
+        two groups' collectives are ever in flight at once on this rank."""
+        schedule = [(t, bucket) for t, plan in enumerate(self.plans) for bucket in plan]
+        buffers = [torch.empty(self.bucket_numel, dtype=self.dtype, device=self.device)
+                   for _ in range(min(2, len(schedule)))]
+
+        def post(i: int) -> dist.Work:
+            t, bucket = schedule[i]
+            return dist.broadcast(buffers[i % len(buffers)][: _bucket_numel(bucket)], src=self.trainer_ranks[t],
+                                  group=self.groups[t], async_op=True)
+
+        work = post(0) if schedule else None
+        for i, (t, bucket) in enumerate(schedule):
+            work.wait()
+            overlap = i + 1 < len(schedule) and schedule[i + 1][0] == t
+            work = post(i + 1) if overlap else None
+            engine.update_weights([self._unpack(bucket, buffers[i % len(buffers)])], version)
+            if not overlap and i + 1 < len(schedule):
+                work = post(i + 1)
 
     def _unpack(self, bucket: list[BucketEntry], buffer: torch.Tensor):
         for entry in bucket:

@@ -203,16 +203,27 @@ def test_send_receive_reconstructs_generator_slices(monkeypatch, num_trainers, b
     g = torch.Generator().manual_seed(7)
     full = {n: torch.randn(s, generator=g) for n, s in shapes.items()}
 
-    # fake transport: trainer t's broadcasts are recorded, generators replay them in order
+    # fake transport: trainer t's broadcasts are recorded, generators replay them in order. An async
+    # broadcast's data move happens only at wait(): a sender that refills a buffer still in flight
+    # records the wrong bucket, and a receiver finds NaN in a buffer until it has waited for it.
     sent: dict[int, list[torch.Tensor]] = {}
     current = {"rank": 0}
 
-    def fake_broadcast(tensor, src, group):
-        if current["rank"] == src:  # sender
+    def fake_broadcast(tensor, src, group, async_op=False):
+        if current["rank"] == src:  # sender: a bucket's place on the wire is its posting order
             assert group == ("group", src)
-            sent.setdefault(src, []).append(tensor.clone())
+            queue = sent.setdefault(src, [])
+            queue.append(None)
+            place = len(queue) - 1
+            move = lambda: queue.__setitem__(place, tensor.clone())  # noqa: E731
         else:
-            tensor.copy_(sent[src].pop(0))
+            tensor.fill_(float("nan"))
+            data = sent[src].pop(0)
+            move = lambda: tensor.copy_(data)  # noqa: E731
+        if not async_op:
+            move()
+            return None
+        return SimpleNamespace(wait=move)
 
     fake_dist = SimpleNamespace(get_rank=lambda: current["rank"], broadcast=fake_broadcast)
     monkeypatch.setattr(weight_sync, "dist", fake_dist)
