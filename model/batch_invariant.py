@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 BLOCK = 32
 
-_state = {"on": False, "ops": None, "interpret": False}
+_state = {"on": False, "ops": None, "interpret": False, "casts": None}
 
 
 def enable(on: bool = True) -> None:
@@ -48,7 +48,14 @@ def enable(on: bool = True) -> None:
         from model import invariant_ops  # imported only here: Triton exists only where CUDA does
 
         _state["ops"] = invariant_ops
+        if _state["casts"] is None:  # Inductor's own setting, given back when the mode goes off
+            _state["casts"] = inductor_config.emulate_precision_casts
         inductor_config.emulate_precision_casts = True
+    elif not on and _state["casts"] is not None:
+        import torch._inductor.config as inductor_config
+
+        inductor_config.emulate_precision_casts = _state["casts"]
+        _state["casts"] = None
 
 
 def enabled() -> bool:
