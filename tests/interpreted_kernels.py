@@ -102,8 +102,25 @@ def check_gradients() -> None:
         close(a.grad, b.grad)
 
 
+def check_pipeline() -> None:
+    """Two of tests/test_bitwise.py's engine-against-trainer cases on the interpreted kernels
+    instead of the CPU reference: an engine batch of 1 with the whole batch in one training row,
+    and a batch of 24 with a few episodes packed per row (the interpreter is slow; the reference
+    runs them all)."""
+    from model import batch_invariant
+    from tests.dist_utils import one_thread
+    from tests.test_bitwise import pi_old_gap
+
+    batch_invariant.enable(True)
+    assert batch_invariant.uses_kernels(torch.empty(1)), "TRITON_INTERPRET=1 must route CPU work to the kernels"
+    with one_thread():
+        for case in ((1, 4096), (24, 64)):
+            gap = pi_old_gap(*case)
+            assert gap["logprob_diff/max"] == 0.0 and gap["logprob_diff/exact_frac"] == 1.0, (case, gap)
+
+
 CHECKS = {"matmul": check_matmul, "rms_norm": check_rms_norm, "attention": check_attention,
-          "gradients": check_gradients}
+          "gradients": check_gradients, "pipeline": check_pipeline}
 
 if __name__ == "__main__":
     CHECKS[sys.argv[1]]()

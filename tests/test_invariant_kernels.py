@@ -39,7 +39,7 @@ def _interpreted_env() -> dict[str, str]:
     return {**launch_env(), "TRITON_INTERPRET": "1"}
 
 
-@pytest.mark.parametrize("check", ["matmul", "rms_norm", "attention", "gradients"])
+@pytest.mark.parametrize("check", ["matmul", "rms_norm", "attention", "gradients", "pipeline"])
 def test_kernel_under_the_interpreter(check):
     run = subprocess.run([sys.executable, "-m", "tests.interpreted_kernels", check], cwd=REPO, env=_interpreted_env(),
                          capture_output=True, text=True, timeout=300)
