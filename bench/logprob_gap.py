@@ -14,7 +14,9 @@ precision on both sides at once (an experiment, applied here by patching the two
 - fp32_attention: attention runs on q, k, v cast to fp32, its output cast back;
 - both: the two together.
 
-`--device cpu` only so far (the GPU figures need the same patches on the CUDA kernels).
+`--device cuda` runs them on the GPU (the engine with its CUDA graphs and compiled halves, the
+trainer eager); there, fp32 attention leaves the flash and decode kernels for PyTorch's SDPA,
+which changes the kernel as well as the precision.
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ import json
 import os
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -68,7 +69,7 @@ def variant(name: str):
             return _fp32_linear(h if logits_index is None else h[logits_index], self.output_weight)
 
         patch(native.Transformer, "decode", decode)
-        patch(head, "F", SimpleNamespace(linear=_fp32_linear))
+        patch(head, "_logits", _fp32_linear)
     if name in ("fp32_attention", "both"):
         for fn in ("packed_attention", "varlen_prefill", "slot_decode"):
             original = getattr(attention, fn)
@@ -92,14 +93,15 @@ def variant(name: str):
 def gap(opts, args: ModelArgs, requests: list[GenerationRequest], eos: list[int]) -> dict[str, float]:
     from torch.distributed.device_mesh import init_device_mesh
 
-    policy = from_hf(str(opts.model), dtype=torch.float32, device="cpu")
+    device = torch.device(opts.device)
+    policy = from_hf(str(opts.model), dtype=torch.float32, device=device)
     sampling = SamplingParams(max_new_tokens=opts.new_tokens, temperature=1.0)
-    engine = NativeEngine(args, sampling, eos_ids=eos, seed=1, dtype=torch.bfloat16, device="cpu",
+    engine = NativeEngine(args, sampling, eos_ids=eos, seed=1, dtype=torch.bfloat16, device=device,
                           max_batch_size=len(requests))
     engine.update_weights([[(n, (), p.detach().to(torch.bfloat16)) for n, p in policy.named_parameters()]], 0)
     batch = episodes_from_completions(engine.generate(requests), pad_id=0)
     batch.advantages = torch.randn(len(batch), generator=torch.Generator().manual_seed(2))
-    trainer = Trainer(policy, init_device_mesh("cpu", (1,)), torch.device("cpu"), torch.bfloat16,
+    trainer = Trainer(policy, init_device_mesh(device.type, (1,)), device, torch.bfloat16,
                       GRPOConfig(group_size=opts.samples), OptimizerConfig(), total_steps=1,
                       micro_batch_tokens=4096, temperature=1.0, max_new_tokens=opts.new_tokens)
     # The trainer's π_old pass over its packed micro-batches, compared as its logprob_diff metrics do.
@@ -122,12 +124,13 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=2)
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--variants", default="default,fp32_logits,fp32_attention,both")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda (the engine's and trainer's GPU kernels)")
     opts = parser.parse_args()
     if not (opts.model / "config.json").is_file():
         raise SystemExit(f"{opts.model} is not a model folder; build it with: python scripts/get_smollm2.py")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29514")
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    dist.init_process_group("nccl" if opts.device == "cuda" else "gloo", rank=0, world_size=1)
     tokenizer = load_hf_tokenizer(opts.model)
     args = ModelArgs.from_hf_dir(opts.model)
     rows = [json.loads(line) for line in FIXTURE.read_text(encoding="utf-8").splitlines()][: opts.prompts]
@@ -135,7 +138,7 @@ def main() -> None:
                for r in rows]
     prompts = [list(p["input_ids"] if hasattr(p, "keys") else p) for p in prompts]
     requests = [GenerationRequest(p, 0, i, s) for i, p in enumerate(prompts) for s in range(opts.samples)]
-    base = dict(bench="logprob_gap", commit=commit(), torch=torch.__version__, device="cpu", model=opts.model.name,
+    base = dict(bench="logprob_gap", commit=commit(), torch=torch.__version__, device=opts.device, model=opts.model.name,
                 requests=len(requests), new_tokens=opts.new_tokens)
     for name in opts.variants.split(","):
         with variant(name):
