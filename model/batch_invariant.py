@@ -107,7 +107,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def kernel_packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                          max_len: int, recompute: Callable | None = None) -> torch.Tensor:
+                            max_len: int, recompute: Callable | None = None) -> torch.Tensor:
     """Invariant attention over packed sequences (invariant_kernels.packed_attention);
     with `recompute` (q, k, v -> the same attention, differentiable), gradients flow through it."""
     if recompute is None or not torch.is_grad_enabled():
@@ -116,7 +116,7 @@ def kernel_packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
 
 
 def kernel_slot_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                        lengths: torch.Tensor) -> torch.Tensor:
+                          lengths: torch.Tensor) -> torch.Tensor:
     """Invariant single-query attention against cache slots (invariant_kernels.slot_attention)."""
     return _state["ops"].kernels.slot_attention(q, k_cache, v_cache, slots, lengths)
 
@@ -144,8 +144,8 @@ def in_blocks(fn: Callable[..., torch.Tensor | tuple], *tokens: torch.Tensor, ro
 
 def tokenwise(fn: Callable[..., torch.Tensor | tuple], *tokens: torch.Tensor, lead: int = 2) -> torch.Tensor | tuple:
     """fn(*tokens) for a row-wise fn over tensors whose first `lead` dims index tokens ([B, T, ...]
-    for lead 2); with the mode on off CUDA, run through `in_blocks` over the flattened tokens. Output
-    shapes are the same either way."""
+    for lead 2); where the reference serves (the mode on, no kernels), run through `in_blocks` over
+    the flattened tokens. Output shapes are the same either way."""
     if not enabled() or uses_kernels(tokens[0]):  # the kernels themselves are invariant
         return fn(*tokens)
     shape = tokens[0].shape[:lead]

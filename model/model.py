@@ -26,9 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model import batch_invariant
 from model.args import ModelArgs
 from model.attention import SequenceLayout, packed_attention, sequence_layout
-from model import batch_invariant
 from model.batch_invariant import linear, output_logits, project, tokenwise
 from model.logprob_head import target_logprobs
 
