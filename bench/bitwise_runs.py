@@ -28,11 +28,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.rl_step import QWEN3_0_6B, build_checkpoint, build_prompts, git_commit  # noqa: E402
-from tests.hf_fixtures import SYSTEM  # noqa: E402
+from bench.rl_step import (  # noqa: E402
+    MEASURED_RUN, QWEN3_0_6B, build_checkpoint, build_prompts, git_commit, workload_args,
+)
 
-COMMON = ["--parallelism.mode=colocated", "--checkpoint.every=0", "--checkpoint.resume=none",
-          "--metrics.samples_every=0", "--metrics.progress_bar=false", "--eval.every=0", "--eval.num_prompts=16"]
+COMMON = ["--parallelism.mode=colocated", *MEASURED_RUN, "--eval.num_prompts=16"]
 
 
 def workload(name: str, opts) -> list[str]:
@@ -41,10 +41,7 @@ def workload(name: str, opts) -> list[str]:
         return ["--config", str(REPO / "configs" / "smollm2_sums.toml"), f"--model.path={opts.smollm2}"]
     ckpt = build_checkpoint(opts.workdir / "qwen3-0.6b-body", QWEN3_0_6B)
     data = build_prompts(opts.workdir / "prompts.jsonl", opts.steps * 64 + 16)
-    return [f"--model.path={ckpt}", f"--data.path={data}", f"--data.system_prompt={SYSTEM}",
-            "--data.enable_thinking=off", "--data.prompts_per_step=64", "--data.max_prompt_tokens=256",
-            "--grpo.group_size=8", "--generation.max_new_tokens=256", '--rewards.functions=["math_accuracy"]',
-            "--rewards.weights=[1.0]", "--optimizer.lr=1e-6"]
+    return workload_args(ckpt, data)
 
 
 def run(name: str, mode: str, opts, extra: list[str]) -> dict:

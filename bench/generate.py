@@ -94,10 +94,9 @@ def build_engine(args, device, batch, max_seq_len, **engine_options) -> NativeEn
     return engine
 
 
-def time_engine(engine: NativeEngine, requests: list[GenerationRequest], device, reps: int) -> tuple[float, int]:
-    """(best wall seconds over reps after one warm-up run, output tokens per run)."""
+def time_engine(engine: NativeEngine, requests: list[GenerationRequest], device, reps: int) -> tuple[float, list]:
+    """(best wall seconds over reps after one warm-up run, the warm-up's completions)."""
     out = engine.generate(requests)  # warm-up: compile, graph capture
-    tokens = sum(len(c.tokens) for c in out)
     best = math.inf
     for _ in range(reps):
         sync(device)
@@ -105,7 +104,11 @@ def time_engine(engine: NativeEngine, requests: list[GenerationRequest], device,
         engine.generate(requests)
         sync(device)
         best = min(best, time.perf_counter() - start)
-    return best, tokens
+    return best, out
+
+
+def output_tokens(completions: list) -> int:
+    return sum(len(c.tokens) for c in completions)
 
 
 def hf_model(args: ModelArgs, device, static: bool):
@@ -187,8 +190,8 @@ def main() -> None:
             engine = build_engine(args, device, batch, PROMPT + NEW, sync_every=opts.sync_every)
             if opts.profile:
                 profile(engine, reqs, device)
-            seconds, tokens = time_engine(engine, reqs, device, opts.reps)
-            ours = tokens / seconds
+            seconds, out = time_engine(engine, reqs, device, opts.reps)
+            ours = output_tokens(out) / seconds
             peak = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
             roof = roofline(args, batch, PROMPT + NEW / 2, opts.bandwidth)
             record = dict(base, bench="generate", shape=shape, batch=batch, engine="tandem", tok_s=round(ours),
@@ -196,8 +199,8 @@ def main() -> None:
             if opts.groups > 1 and batch % opts.groups == 0:
                 grouped = [GenerationRequest(p, 0, i, s) for i, p in enumerate(prompts(batch // opts.groups, vocab))
                            for s in range(opts.groups)]
-                g_seconds, g_tokens = time_engine(engine, grouped, device, opts.reps)
-                record[f"tok_s_{batch // opts.groups}x{opts.groups}_shared_prefill"] = round(g_tokens / g_seconds)
+                g_seconds, g_out = time_engine(engine, grouped, device, opts.reps)
+                record[f"tok_s_{batch // opts.groups}x{opts.groups}_shared_prefill"] = round(output_tokens(g_out) / g_seconds)
             emit(record)
             del engine
             for name in baselines:
@@ -220,8 +223,8 @@ def main() -> None:
             for name, per_request in (("long_tail", budgets), ("equal_length", [mean_budget] * len(budgets))):
                 plist = prompts(len(per_request), vocab, seed=1)
                 reqs = [GenerationRequest(p, 0, i, 0, max_new_tokens=n) for i, (p, n) in enumerate(zip(plist, per_request))]
-                seconds, tokens = time_engine(engine, reqs, device, opts.reps)
-                runs[name] = tokens / seconds
+                seconds, out = time_engine(engine, reqs, device, opts.reps)
+                runs[name] = output_tokens(out) / seconds
             emit(dict(base, bench="generate_long_tail", shape=shape, requests=len(budgets), max_batch=batch,
                       budget_min=min(budgets), budget_median=sorted(budgets)[len(budgets) // 2],
                       budget_mean=mean_budget, budget_max=max(budgets),

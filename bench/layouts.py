@@ -36,8 +36,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.rl_step import QWEN3_0_6B, TINY, build_checkpoint, build_prompts, git_commit  # noqa: E402
-from tests.hf_fixtures import SYSTEM  # noqa: E402
+from bench.rl_step import (  # noqa: E402
+    MEASURED_RUN, QWEN3_0_6B, TINY, build_checkpoint, build_prompts, git_commit, workload_args,
+)
 
 BODIES = {
     "qwen3-0.6b": QWEN3_0_6B,
@@ -74,8 +75,7 @@ def parse_variant(text: str) -> tuple[int, list[str]]:
 
 def workload(model: str, opts) -> list[str]:
     """train_grpo.py arguments of the workload (without layout and output folder)."""
-    common = ["--checkpoint.every=0", "--checkpoint.resume=none", "--metrics.samples_every=0",
-              "--metrics.progress_bar=false", "--eval.every=0", "--eval.num_prompts=16", f"--training.steps={opts.steps}"]
+    common = [*MEASURED_RUN, "--eval.num_prompts=16", f"--training.steps={opts.steps}"]
     if model == "smollm2":
         return ["--config", str(REPO / "configs" / "smollm2_sums.toml"), f"--model.path={opts.smollm2}", *common]
     if model not in BODIES:
@@ -83,10 +83,7 @@ def workload(model: str, opts) -> list[str]:
     body = BODIES[model]
     ckpt = build_checkpoint(opts.workdir / f"{model}-body", body)
     data = build_prompts(opts.workdir / "prompts.jsonl", opts.steps * 64 + 16)
-    return [f"--model.path={ckpt}", f"--data.path={data}", f"--data.system_prompt={SYSTEM}", "--data.enable_thinking=off",
-            "--data.prompts_per_step=64", "--data.max_prompt_tokens=256", "--grpo.group_size=8",
-            "--generation.max_new_tokens=256", '--rewards.functions=["math_accuracy"]', "--rewards.weights=[1.0]",
-            "--optimizer.lr=1e-6", *common]
+    return [*workload_args(ckpt, data), *common]
 
 
 def run(variant: str, opts, base_args: list[str], extra: list[str]) -> dict:

@@ -70,6 +70,28 @@ def build_prompts(path: Path, count: int) -> Path:
     return path
 
 
+# The workload's batch shape. The fixture's prompts render to 75-95 tokens: a 256-token cap keeps
+# each KV slot at 512 tokens.
+WORKLOAD = {"data.prompts_per_step": "64", "grpo.group_size": "8", "generation.max_new_tokens": "256",
+            "data.max_prompt_tokens": "256"}
+
+
+# A run that is measured: no checkpoints, no resume, no samples or progress bar. Eval can only be
+# made rare: it runs at step 0 and after the last step, outside time/step_s.
+MEASURED_RUN = ["--eval.every=0", "--checkpoint.every=0", "--checkpoint.resume=none", "--metrics.samples_every=0",
+                "--metrics.progress_bar=false"]
+
+
+def workload_args(ckpt: Path, data: Path) -> list[str]:
+    """train_grpo.py arguments of the workload on a built checkpoint and prompt file: WORKLOAD's
+    batch shape, the fixture's system prompt, math rewards, lr 1e-6 (the benches that run it
+    add the layout, the steps and the output folder)."""
+    return [f"--{key}={value}" for key, value in WORKLOAD.items()] + [
+        f"--model.path={ckpt}", f"--data.path={data}", f"--data.system_prompt={SYSTEM}", "--data.enable_thinking=off",
+        '--rewards.functions=["math_accuracy"]', "--rewards.weights=[1.0]", "--optimizer.lr=1e-6",
+    ]
+
+
 def override(extra: list[str], key: str, default: int) -> int:
     """The value train_grpo.py will see for an int key: the last of `--key=v` / `--key v` in `extra`."""
     value = default
@@ -104,12 +126,7 @@ def main() -> None:
     # One folder per body, so a --tiny run never leaves a checkpoint the full run would reuse.
     ckpt = build_checkpoint(opts.workdir / f"qwen3-{body['layers']}L-{body['dim']}d", body)
 
-    defaults = {
-        "parallelism.mode": "colocated", "data.prompts_per_step": "64", "grpo.group_size": "8",
-        "generation.max_new_tokens": "256", "training.steps": str(opts.steps), "eval.num_prompts": str(opts.eval_prompts),
-        # The fixture's prompts render to 75-95 tokens: a 256-token cap keeps each KV slot at 512 tokens.
-        "data.max_prompt_tokens": "256",
-    }
+    defaults = {"parallelism.mode": "colocated", "training.steps": str(opts.steps), "eval.num_prompts": str(opts.eval_prompts)}
     # Size the prompt file from what the run will actually use, forwarded overrides included.
     steps = override(extra, "training.steps", opts.steps)
     needed = steps * override(extra, "data.prompts_per_step", 64) + override(extra, "eval.num_prompts", opts.eval_prompts)
@@ -118,12 +135,8 @@ def main() -> None:
     run_dir = opts.workdir / "run"
     # A leftover run would be resumed (checkpoint.resume = "auto") with nothing left to do.
     shutil.rmtree(run_dir, ignore_errors=True)
-    args = [f"--{key}={value}" for key, value in defaults.items()] + [
-        f"--model.path={ckpt}", f"--data.path={data}", f"--data.system_prompt={SYSTEM}", "--data.enable_thinking=off",
-        '--rewards.functions=["math_accuracy"]', "--rewards.weights=[1.0]", "--optimizer.lr=1e-6",
-        # eval can only be made rare: it runs at step 0 and after the last step, outside time/step_s.
-        "--eval.every=0", "--checkpoint.every=0", "--checkpoint.resume=none", "--metrics.samples_every=0",
-        "--metrics.progress_bar=false", f"--job.output_dir={run_dir}",
+    args = [f"--{key}={value}" for key, value in defaults.items()] + workload_args(ckpt, data) + [
+        *MEASURED_RUN, f"--job.output_dir={run_dir}",
     ]
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "train_grpo.py"]
     # The run's own output goes to stderr so that stdout carries only the JSON lines.

@@ -21,7 +21,6 @@ import json
 import math
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -29,23 +28,10 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.generate import PROMPT, VOCAB, commit, model_args, prompts, sync  # noqa: E402
+from bench.generate import PROMPT, VOCAB, commit, model_args, output_tokens, prompts, time_engine  # noqa: E402
 from grpo.engine import GenerationRequest, NativeEngine, SamplingParams  # noqa: E402
 from model import Transformer  # noqa: E402
 from tests.test_tensor_parallel import tp_shard  # noqa: E402
-
-
-def timed(engine: NativeEngine, requests: list[GenerationRequest], device: torch.device, reps: int):
-    """(best seconds over reps after one warm-up, the completions' tokens)."""
-    out = engine.generate(requests)
-    best = math.inf
-    for _ in range(reps):
-        sync(device)
-        start = time.perf_counter()
-        engine.generate(requests)
-        sync(device)
-        best = min(best, time.perf_counter() - start)
-    return best, [c.tokens for c in out]
 
 
 def first_difference(a: list[int], b: list[int]) -> int:
@@ -83,7 +69,8 @@ def main() -> None:
         if rank == 0:
             whole = NativeEngine(args, sampling, **options)
             whole.update_weights([list((n, (), w) for n, w in weights.items())], version=0)
-            whole_s, whole_tokens = timed(whole, requests, device, opts.reps)
+            whole_s, whole_out = time_engine(whole, requests, device, opts.reps)
+            whole_tokens = [c.tokens for c in whole_out]
             whole.close()
             del whole
             if cuda:
@@ -91,11 +78,12 @@ def main() -> None:
         dist.barrier()
         engine = NativeEngine(args, sampling, tensor_parallel=(world, dist.group.WORLD), **options)
         engine.update_weights([[(n, (), tp_shard(n, w, args, world, rank)) for n, w in weights.items()]], version=0)
-        tp_s, tp_tokens = timed(engine, requests, device, opts.reps)
+        tp_s, tp_out = time_engine(engine, requests, device, opts.reps)
+        tp_tokens = [c.tokens for c in tp_out]
         engine.close()
         del engine
         if rank == 0:
-            new_tokens = sum(len(t) for t in tp_tokens)
+            new_tokens = output_tokens(tp_out)
             unequal = [first_difference(a, b) for a, b in zip(tp_tokens, whole_tokens) if a != b]
             print(json.dumps(dict(
                 base, batch=batch, whole_tok_s=round(new_tokens / whole_s), tp_tok_s=round(new_tokens / tp_s),
