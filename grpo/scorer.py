@@ -88,6 +88,7 @@ class Scorer:
 
     def _new_pool(self) -> multiprocessing.pool.Pool:
         self._pool_ready = False
+        self._in_flight = False  # tasks submitted and not all collected (see close)
         # spawn, not fork: forking a process that holds CUDA state or torch threads is unsafe.
         context = multiprocessing.get_context("spawn")
         # Set by close(): only then do idle workers take SIGTERM as theirs (grpo/pool_worker.py).
@@ -153,6 +154,7 @@ class Scorer:
                 if start < end:
                     args = (spec, start, *(column[start:end] for column in episodes), self.on_error)
                     pending.append((name, start, end, self._pool.apply_async(run_task, (score_chunk, *args))))
+        self._in_flight = True
         values = {name: [] for name in self.names}
         deadline = None  # set at the first timeout (on_error="zero"): the rest share one more timeout_s
         try:
@@ -176,13 +178,25 @@ class Scorer:
         finally:
             if deadline is not None:
                 self.close()  # a worker may still hang; the pool is recreated on the next call
+        self._in_flight = False
         return values
 
     def close(self) -> None:
-        if self._pool is not None:
+        """Stop the workers. Between calls none runs a task: each takes the pool's end-of-work
+        sentinel and exits, and no signal is sent (a SIGTERM that lands just before an idle worker
+        blocks on the task queue's lock is never handled, and terminate() would then wait for that
+        worker for ever). After a timeout, or when an exception left tasks running, the pool is
+        terminated: `stopping` makes the workers' SIGTERM handler exit, and SIGTERM kills a
+        running task (grpo/pool_worker.py)."""
+        if self._pool is None:
+            return
+        if self._in_flight:
             self._stopping.set()
             self._pool.terminate()
-            self._pool = None
+        else:
+            self._pool.close()
+            self._pool.join()
+        self._pool = None
 
     def __enter__(self) -> "Scorer":
         return self
