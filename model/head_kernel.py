@@ -59,13 +59,28 @@ def _grad_kernel(logits, row_stride, targets, log_z, entropy, grad_logprob, grad
     tl.store(out + row * row_stride + cols, (grad * inv_temperature).to(out.dtype.element_ty), mask=inside)
 
 
-def chunk_stats_triton(logits: torch.Tensor, targets: torch.Tensor, temperature: float):
-    """As logprob_head.chunk_stats: logits [N, V] (row-contiguous), targets [N] -> three [N] fp32."""
+@torch.library.custom_op("tandem::token_logprob_stats", mutates_args=())
+def _token_logprob_stats(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+    """_stats_kernel over logits [N, V] -> [3, N] fp32 (log-prob, entropy, log Z)."""
     N, V = logits.shape
-    assert logits.stride(1) == 1, "logits rows must be contiguous"
     out = torch.empty((3, N), dtype=torch.float32, device=logits.device)
     _stats_kernel[(N,)](logits, logits.stride(0), targets, out[0], out[1], out[2], V, 1.0 / temperature,
                         BLOCK=BLOCK_V, num_warps=8)
+    return out
+
+
+@_token_logprob_stats.register_fake
+def _(logits, targets, temperature):
+    return logits.new_empty((3, logits.shape[0]), dtype=torch.float32)
+
+
+def chunk_stats_triton(logits: torch.Tensor, targets: torch.Tensor, temperature: float):
+    """As logprob_head.chunk_stats: logits [N, V] (row-contiguous), targets [N] -> three [N] fp32.
+
+    A custom operator, so that a compiled caller (the engine's sampler) launches the kernel as
+    Triton's own launcher does, with the scalar in fp32, like an eager caller (the trainer's head)."""
+    assert logits.stride(1) == 1, "logits rows must be contiguous"
+    out = _token_logprob_stats(logits, targets, temperature)
     return out[0], out[1], out[2]
 
 
