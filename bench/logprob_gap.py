@@ -110,8 +110,8 @@ def gap(opts, args: ModelArgs, requests: list[GenerationRequest], eos: list[int]
         for micro_batches in trainer._micro_batches(batch):
             for mb in micro_batches:
                 old = trainer._forward(mb.rows).logprobs
-                live = mb.rows.loss_mask > 0
-                diffs.append((old - mb.rows.gen_logprobs).abs()[live])
+                live = mb.rows.loss_mask.to(device) > 0
+                diffs.append((old - mb.rows.gen_logprobs.to(device)).abs()[live])
     diff = torch.cat(diffs)
     return dict(mean=float(diff.mean()), max=float(diff.max()), exact_frac=float((diff == 0).float().mean()),
                 tokens=diff.numel())
