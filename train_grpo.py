@@ -115,6 +115,7 @@ def run(cfg: Config, stop: GracefulStop) -> None:
                 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
                 torch.use_deterministic_algorithms(True)
             batch_invariant.enable(cfg.job.bitwise_logprobs)
+            batch_invariant.set_fp32_logits(cfg.model.fp32_logits)
             if cfg.job.bitwise_logprobs and is_leader:
                 print(f"numerics: batch-invariant log-probs, {batch_invariant.describe(device)}", flush=True)
             scorer = None

@@ -8,9 +8,11 @@ template; the trainer (bf16 compute) recomputes their log-probs over its packed 
 exactly equal tokens, as `logprob_diff/{mean,max,exact_frac}` define them. The variants change one
 precision on both sides at once (an experiment, applied here by patching the two code paths):
 
-- default: everything as it runs today;
-- fp32_logits: the output head's matmul takes fp32 inputs, so the logits are never rounded to
-  bf16 (both the engine's decode logits and the trainer's log-prob head);
+- default: everything as it runs today (on CUDA the head's bf16 matmul writes fp32 logits,
+  `model.fp32_logits`; on the CPU the logits are bf16);
+- bf16_logits: `model.fp32_logits` off, so the logits are rounded to bf16 on CUDA too;
+- fp32_logits: the output head's matmul takes fp32 inputs as well (both the engine's decode
+  logits and the trainer's log-prob head);
 - fp32_attention: attention runs on q, k, v cast to fp32, its output cast back;
 - both: the two together.
 
@@ -38,6 +40,7 @@ sys.path.insert(0, str(REPO))
 import model.attention as attention  # noqa: E402
 import model.logprob_head as head  # noqa: E402
 import model.model as native  # noqa: E402
+from model import batch_invariant  # noqa: E402
 from bench.generate import commit  # noqa: E402
 from grpo.config import GRPOConfig, OptimizerConfig  # noqa: E402
 from grpo.tokenizer import load_hf_tokenizer  # noqa: E402
@@ -57,11 +60,15 @@ def _fp32_linear(x, w, b=None):
 def variant(name: str):
     """Patch the head's matmul and / or the attention entry points for the duration."""
     saved = []
+    saved_setting = False
 
     def patch(module, attr, value):
         saved.append((module, attr, getattr(module, attr)))
         setattr(module, attr, value)
 
+    if name == "bf16_logits":
+        batch_invariant.set_fp32_logits(False)
+        saved_setting = True
     if name in ("fp32_logits", "both"):
         # The engine's logits come from Transformer.decode, the trainer's from the log-prob head's F.linear.
         def decode(self, tokens, positions, attend, logits_index=None):
@@ -88,6 +95,8 @@ def variant(name: str):
     finally:
         for module, attr, value in reversed(saved):
             setattr(module, attr, value)
+        if saved_setting:
+            batch_invariant.set_fp32_logits(True)
 
 
 def gap(opts, args: ModelArgs, requests: list[GenerationRequest], eos: list[int]) -> dict[str, float]:
@@ -123,7 +132,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--samples", type=int, default=2)
     parser.add_argument("--new-tokens", type=int, default=48)
-    parser.add_argument("--variants", default="default,fp32_logits,fp32_attention,both")
+    parser.add_argument("--variants", default="default,bf16_logits,fp32_logits,fp32_attention,both")
     parser.add_argument("--device", default="cpu", help="cpu, or cuda (the engine's and trainer's GPU kernels)")
     opts = parser.parse_args()
     if not (opts.model / "config.json").is_file():

@@ -2,7 +2,7 @@
 training step, in the same run, one JSON line per configuration.
 
     python3 bench/train.py [--configs a,b,c] [--baselines hf] [--compile both|on|off] [--reps 3]
-                           [--profile DIR]
+                           [--logits fp32,bf16] [--profile DIR]
 
 Qwen3-0.6B shape (596M parameters, vocab 151936, tied embeddings), random weights, random tokens.
 - (a) 16 sequences x 1024 tokens;
@@ -11,8 +11,9 @@ Qwen3-0.6B shape (596M parameters, vocab 151936, tied embeddings), random weight
 
 tandem: `Trainer.train` on a 1-rank mesh (FSDP2, fp32 master weights, bf16 compute, fused AdamW),
 sequences packed into micro-batches of at most `--micro-batch-tokens` tokens, the GRPO loss on the
-completion tokens. HF: `AutoModelForCausalLM` in bf16 (SDPA attention), cross-entropy over the
-batch, `torch.optim.AdamW`; (b) runs padded micro-batches of sequences sorted by length, (c) one
+completion tokens; its log-prob head reads fp32 logits (`model.fp32_logits`, the default), and
+`--logits fp32,bf16` adds a run on bf16 logits (`_bf16_logits` in its name). HF:
+`AutoModelForCausalLM` in bf16 (SDPA attention), cross-entropy over the batch, `torch.optim.AdamW`; (b) runs padded micro-batches of sequences sorted by length, (c) one
 sequence per micro-batch with gradient checkpointing. Both take one optimizer step per batch.
 
 Reported per line: tokens/s over the batch's tokens (best of --reps after a warm-up step, whose
@@ -38,6 +39,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.generate import SHAPES, VOCAB, commit, model_args  # noqa: E402
+from model import batch_invariant  # noqa: E402
 from grpo.config import GRPOConfig, OptimizerConfig  # noqa: E402
 from grpo.episode import EpisodeBatch  # noqa: E402
 from grpo.trainer import Trainer  # noqa: E402
@@ -202,6 +204,7 @@ def main() -> None:
     parser.add_argument("--micro-batch-tokens", type=int, default=16384)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--shape", default="0.6b", choices=sorted(SHAPES))
+    parser.add_argument("--logits", default="fp32", help="the head's logits dtypes to run tandem with: fp32,bf16")
     parser.add_argument("--profile", default="", help="a folder: write each run's kernel table there")
     opts = parser.parse_args()
     if not torch.cuda.is_available():
@@ -223,10 +226,14 @@ def main() -> None:
         budget = max(opts.micro_batch_tokens, max(lengths))
         flops = model_flops(args, lengths)
         rows = {}
-        runs = [("tandem", c) for c in compile_modes] + [(b, False) for b in opts.baselines.split(",") if b]
-        for impl, compiled in runs:
+        runs = [("tandem", c, logits) for c in compile_modes for logits in opts.logits.split(",")]
+        runs += [(b, False, "") for b in opts.baselines.split(",") if b]
+        for impl, compiled, logits in runs:
+            batch_invariant.set_fp32_logits(logits != "bf16")
+            key = f"{impl}{'_compiled' if compiled else ''}{'_bf16_logits' if logits == 'bf16' else ''}"
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
+            owner = step = None
             try:
                 if impl == "tandem":
                     owner, step = tandem_step(args, device, episode_batch(lengths, args.vocab_size), budget,
@@ -235,15 +242,14 @@ def main() -> None:
                     owner, step = hf_step(args, device, lengths, budget, config["checkpointing"])
                 first, best = timed(step, opts.reps, device)
                 if opts.profile:
-                    profile(step, Path(opts.profile) / f"{name}_{impl}{'_compiled' if compiled else ''}.txt")
+                    profile(step, Path(opts.profile) / f"{name}_{key}.txt")
                 record = dict(tok_s=round(sum(lengths) / best), step_s=round(best, 4), first_step_s=round(first, 2),
                               mfu=round(flops / best / peak, 3),
                               peak_gb=round(torch.cuda.max_memory_allocated(device) / 1e9, 1))
             except torch.OutOfMemoryError as exc:
                 record = dict(error=f"out of memory: {str(exc).splitlines()[0]}")
-            owner = step = None  # noqa: F841 (frees the model before the next run)
+            del owner, step  # frees the model before the next run
             gc.collect()
-            key = f"{impl}{'_compiled' if compiled else ''}"
             rows[key] = record
             print(json.dumps(dict(base, bench="train", config=name, impl=key, sequences=len(lengths),
                                   tokens=sum(lengths), micro_batch_tokens=budget,

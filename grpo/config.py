@@ -57,6 +57,8 @@ class ModelConfig:
     activation_checkpointing: bool = False
     # CUDA only: torch.compile each layer's norms, projections, RoPE and SwiGLU for training (a slower first step, then faster ones; CPU runs eagerly)
     compile: bool = True
+    # CUDA, bf16/fp16: the output head's matmul writes fp32 logits (not rounded to bf16) for the native engine and the trainer's log-prob head; a fifth less engine-trainer log-prob gap
+    fp32_logits: bool = True
 
 
 @dataclass

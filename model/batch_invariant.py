@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 BLOCK = 32
 
-_state = {"on": False, "ops": None, "interpret": False, "casts": None}
+_state = {"on": False, "ops": None, "interpret": False, "casts": None, "fp32_logits": True}
 
 
 def enable(on: bool = True) -> None:
@@ -98,6 +98,24 @@ def output_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     the invariant matmul where `uses_kernels(x)` (the log-softmax reads them in fp32 anyway)."""
     if uses_kernels(x):
         return _state["ops"].invariant_linear(x, weight, None, True)
+    return F.linear(x, weight)
+
+
+def set_fp32_logits(on: bool) -> None:
+    """Whether the log-prob head and the engine take fp32 logits from the head's bf16 matmul on
+    CUDA (`model.fp32_logits`), in every mode."""
+    _state["fp32_logits"] = bool(on)
+
+
+def head_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The logits the log-prob head and the engine read, outside autograd: x [N, dim] @ weight [V, dim].T
+    -> [N, V]. In fp32 from the invariant matmul where `uses_kernels(x)`; in fp32 from cuBLAS
+    (bf16 products accumulated in fp32 and written out without the bf16 rounding) for a CUDA
+    bf16/fp16 x while fp32 logits are on; otherwise as `output_logits`."""
+    if uses_kernels(x):
+        return _state["ops"].invariant_linear(x, weight, None, True)
+    if _state["fp32_logits"] and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
+        return torch.mm(x, weight.t(), out_dtype=torch.float32)
     return F.linear(x, weight)
 
 

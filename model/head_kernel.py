@@ -84,11 +84,12 @@ def chunk_stats_triton(logits: torch.Tensor, targets: torch.Tensor, temperature:
     return out[0], out[1], out[2]
 
 
-def chunk_grad_triton(logits, targets, log_z, entropy, grad_logprob, grad_entropy, temperature: float) -> torch.Tensor:
-    """As logprob_head.chunk_grad: the gradient [N, V] w.r.t. logits, in logits' dtype."""
+def chunk_grad_triton(logits, targets, log_z, entropy, grad_logprob, grad_entropy, temperature: float,
+                      out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """As logprob_head.chunk_grad: the gradient [N, V] w.r.t. logits, in out_dtype (default logits')."""
     N, V = logits.shape
     assert logits.stride(1) == 1, "logits rows must be contiguous"
-    out = torch.empty_like(logits)
+    out = torch.empty_like(logits, dtype=out_dtype or logits.dtype)
     grid = (N, triton.cdiv(V, BLOCK_V))
     _grad_kernel[grid](logits, logits.stride(0), targets, log_z, entropy, grad_logprob.contiguous(),
                        grad_entropy.contiguous(), out, V, 1.0 / temperature, BLOCK=BLOCK_V, num_warps=8)

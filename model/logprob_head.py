@@ -49,15 +49,16 @@ def chunk_grad(
     grad_logprob: torch.Tensor,
     grad_entropy: torch.Tensor,
     temperature: float,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """The gradient [N, V] (in logits' dtype) of the loss w.r.t. logits [N, V], given its gradients
-    w.r.t. the chunk's target log-probs and entropies [N]."""
+    """The gradient [N, V] (in out_dtype, default logits' dtype) of the loss w.r.t. logits [N, V],
+    given its gradients w.r.t. the chunk's target log-probs and entropies [N]."""
     log_p = _wide(logits) / temperature - log_z[:, None]
     p = log_p.exp()
     grad = -p * (grad_logprob[:, None] + grad_entropy[:, None] * (log_p + entropy[:, None]))
     is_target = torch.arange(logits.shape[-1], device=logits.device)[None, :] == targets[:, None]
     grad = torch.where(is_target, grad + grad_logprob[:, None], grad)
-    return (grad / temperature).to(logits.dtype)
+    return (grad / temperature).to(out_dtype or logits.dtype)
 
 
 def _kernels(logits_like: torch.Tensor):
@@ -71,8 +72,8 @@ def _kernels(logits_like: torch.Tensor):
 
 
 def _logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """A chunk's logits [N, V]: F.linear, or fp32 from the invariant matmul (batch_invariant.output_logits)."""
-    return batch_invariant.output_logits(hidden, weight)
+    """A chunk's logits [N, V], in the dtype batch_invariant.head_logits gives them."""
+    return batch_invariant.head_logits(hidden, weight)
 
 
 class _ChunkedHead(torch.autograd.Function):
@@ -107,11 +108,12 @@ class _ChunkedHead(torch.autograd.Function):
         grad_weight = torch.zeros(weight.shape, dtype=wide, device=weight.device) if ctx.needs_input_grad[1] else None
         for start in range(0, hidden.shape[0], LOGPROB_CHUNK_TOKENS):
             chunk = slice(start, start + LOGPROB_CHUNK_TOKENS)
-            # The forward's logits exactly (fp32 on the invariant kernels), so p sums to one.
+            # The forward's logits exactly (fp32 ones included), so p sums to one; the gradient
+            # comes out in the matmuls' dtype.
             grad_logits = grad_of_logits(
                 _logits(hidden[chunk], weight), targets[chunk], log_z[chunk], entropy[chunk],
-                grad_logprob[chunk], grad_entropy[chunk], ctx.temperature,
-            ).to(hidden.dtype)
+                grad_logprob[chunk], grad_entropy[chunk], ctx.temperature, hidden.dtype,
+            )
             if grad_hidden is not None:
                 grad_hidden[chunk] = grad_logits @ weight
             if grad_weight is not None:

@@ -29,7 +29,7 @@ from torch import nn
 from model import batch_invariant
 from model.args import ModelArgs
 from model.attention import SequenceLayout, packed_attention, sequence_layout
-from model.batch_invariant import linear, output_logits, project, tokenwise
+from model.batch_invariant import head_logits, linear, output_logits, project, tokenwise
 from model.logprob_head import target_logprobs
 
 class RMSNorm(nn.Module):
@@ -285,7 +285,7 @@ class Transformer(nn.Module):
         logits_index: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Inference pass over tokens packed on one axis: tokens, positions [N] -> logits [N, V] (in
-        the compute dtype, fp32 on the invariant CUDA kernels).
+        the compute dtype, or fp32: batch_invariant.head_logits says when).
 
         attend(layer, q [N, H, D], k [N, Hkv, D], v [N, Hkv, D]) -> [N, H, D] is the caller's
         cache-aware attention (it stores k and v and attends over whatever the cache holds).
@@ -293,7 +293,7 @@ class Transformer(nn.Module):
         """
         h = self.decode_hidden(tokens, positions, attend)
         h = h if logits_index is None else h[logits_index]
-        return tokenwise(lambda x: output_logits(x, self.output_weight), h, lead=1)
+        return tokenwise(lambda x: head_logits(x, self.output_weight), h, lead=1)
 
     def decode_hidden(
         self,

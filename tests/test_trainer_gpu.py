@@ -155,3 +155,31 @@ def test_triton_head_kernels_match_the_torch_reference():
     want_grad = chunk_grad(logits, targets, want[2], want[1], grad_lp, grad_ent, T)
     got_grad = chunk_grad_triton(logits, targets, want[2], want[1], grad_lp, grad_ent, T)
     torch.testing.assert_close(got_grad.float(), want_grad.float(), atol=1e-3, rtol=1e-2)
+
+
+def test_fp32_logits_are_the_bf16_matmul_without_its_rounding():
+    from model import batch_invariant
+    from model.head_kernel import chunk_grad_triton
+    from model.logprob_head import chunk_grad, chunk_stats
+
+    torch.manual_seed(5)
+    x = torch.randn(257, 576, device=DEVICE, dtype=torch.bfloat16)
+    w = torch.randn(49152, 576, device=DEVICE, dtype=torch.bfloat16) / 24
+    exact = x.double() @ w.double().t()
+    wide = batch_invariant.head_logits(x, w)
+    assert wide.dtype == torch.float32
+    bf16_error = (F.linear(x, w).double() - exact).abs().max()
+    assert (wide.double() - exact).abs().max() < bf16_error / 20  # fp32 accumulation, no bf16 rounding
+    try:
+        batch_invariant.set_fp32_logits(False)
+        assert batch_invariant.head_logits(x, w).dtype == torch.bfloat16
+    finally:
+        batch_invariant.set_fp32_logits(True)
+    # The head's gradient kernel reads the fp32 logits and writes the matmuls' bf16 directly.
+    targets = torch.randint(w.shape[0], (x.shape[0],), device=DEVICE)
+    _, entropy, log_z = chunk_stats(wide, targets, 1.0)
+    grads = torch.randn(x.shape[0], device=DEVICE), torch.randn(x.shape[0], device=DEVICE)
+    want = chunk_grad(wide, targets, log_z, entropy, *grads, 1.0, torch.bfloat16)
+    got = chunk_grad_triton(wide, targets, log_z, entropy, *grads, 1.0, torch.bfloat16)
+    assert got.dtype == want.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want.float(), atol=1e-3, rtol=1e-2)
