@@ -101,10 +101,12 @@ def test_compiled_bf16_engine_agrees_with_eager_bf16():
     reqs = requests(24)
     eager = engine(model, sampling, cuda_graphs=False, compile=False).generate(reqs)
     fast = engine(model, sampling).generate(reqs)
-    same_start = sum(a.tokens[:6] == b.tokens[:6] for a, b in zip(fast, eager))
-    assert same_start >= 0.9 * len(reqs), same_start
     first = torch.tensor([a.logprobs[0] - b.logprobs[0] for a, b in zip(fast, eager)])
-    assert first.abs().max() < 0.05
+    assert first.abs().max() < 0.05, first.abs().max()
+    # The two bf16 bodies round differently; with fp32 logits (model.fp32_logits) a near-tie
+    # between the two best tokens is no longer rounded to one bf16 value, so a greedy pick can flip.
+    same_start = sum(a.tokens[:6] == b.tokens[:6] for a, b in zip(fast, eager))
+    assert same_start >= 0.75 * len(reqs), same_start
 
 
 def test_device_side_eos_ends_each_completion_at_its_first_eos():
