@@ -20,6 +20,8 @@ Only the forward passes are invariant; gradients need not be (model/invariant_op
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -225,3 +227,32 @@ def slot_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         PRECISION=_precision(q), num_warps=ATTENTION_WARPS,
     )
     return out
+
+
+def _in_order_interpreter_dot() -> None:
+    """Give the interpreter's fp32 `tl.dot` the tensor core's property that these kernels rest on.
+
+    Under Triton's interpreter `tl.dot` is numpy's matmul, and the BLAS kernel that numpy picks for
+    the CPU at hand may sum an element in an order that depends on the element's row within the
+    tile (OpenBLAS's Haswell kernels do, on AMD EPYC). A tensor core sums every element over K in
+    one order wherever it sits (tests/test_bitwise_gpu.py checks that on the hardware). Here the
+    products are added to the accumulator one K step at a time, so the interpreted kernels are
+    checked for their own logic (tiling, masks, block order) whatever BLAS the CPU runs."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    blas_dot = interpreter.InterpreterBuilder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if not (a.data.dtype == b.data.dtype == d.data.dtype == np.float32):
+            return blas_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+        acc = d.data.copy()
+        for k in range(a.data.shape[-1]):
+            acc += a.data[..., :, k, None] * b.data[..., None, k, :]
+        return interpreter.TensorHandle(acc, d.dtype.scalar)
+
+    interpreter.InterpreterBuilder.create_dot = create_dot
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _in_order_interpreter_dot()

@@ -2,7 +2,7 @@
 Triton's interpreter; tests/test_invariant_kernels.py runs each in a process of its own with
 TRITON_INTERPRET=1 (it must be set before the kernels are defined).
 
-    TRITON_INTERPRET=1 python -m tests.interpreted_kernels matmul|rms_norm|attention|gradients
+    TRITON_INTERPRET=1 python -m tests.interpreted_kernels matmul|rms_norm|attention|gradients|pipeline_batch_1|...
 
 Each check compares a kernel with plain PyTorch, and each row of its output with the same row
 computed in other company: other row counts and offsets, fused or split weights, a sequence
@@ -102,11 +102,9 @@ def check_gradients() -> None:
         close(a.grad, b.grad)
 
 
-def check_pipeline() -> None:
-    """Two of tests/test_bitwise.py's engine-against-trainer cases on the interpreted kernels
-    instead of the CPU reference: an engine batch of 1 with the whole batch in one training row,
-    and a batch of 24 with a few episodes packed per row (the interpreter is slow; the reference
-    runs them all)."""
+def check_pipeline(max_batch_size: int, micro_batch_tokens: int) -> None:
+    """One of tests/test_bitwise.py's engine-against-trainer cases on the interpreted kernels
+    instead of the CPU reference (the interpreter is slow; the reference runs them all)."""
     from model import batch_invariant
     from tests.dist_utils import one_thread
     from tests.test_bitwise import pi_old_gap
@@ -114,13 +112,16 @@ def check_pipeline() -> None:
     batch_invariant.enable(True)
     assert batch_invariant.uses_kernels(torch.empty(1)), "TRITON_INTERPRET=1 must route CPU work to the kernels"
     with one_thread():
-        for case in ((1, 4096), (24, 64)):
-            gap = pi_old_gap(*case)
-            assert gap["logprob_diff/max"] == 0.0 and gap["logprob_diff/exact_frac"] == 1.0, (case, gap)
+        gap = pi_old_gap(max_batch_size, micro_batch_tokens)
+    assert gap["logprob_diff/max"] == 0.0 and gap["logprob_diff/exact_frac"] == 1.0, gap
 
 
 CHECKS = {"matmul": check_matmul, "rms_norm": check_rms_norm, "attention": check_attention,
-          "gradients": check_gradients, "pipeline": check_pipeline}
+          "gradients": check_gradients,
+          # an engine batch of 1 with the whole batch in one training row
+          "pipeline_batch_1": lambda: check_pipeline(1, 4096),
+          # an engine batch of 24 with a few episodes packed per training row
+          "pipeline_batch_24": lambda: check_pipeline(24, 64)}
 
 if __name__ == "__main__":
     CHECKS[sys.argv[1]]()
