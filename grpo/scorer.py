@@ -1,15 +1,11 @@
 """Turn episodes into rewards: reward functions run in a CPU process pool with a timeout."""
 
-import multiprocessing
-import multiprocessing.pool
-import os
 import sys
-import time
 from dataclasses import dataclass, field
 
 import torch
 
-from grpo.pool_worker import run_task, start_worker
+from grpo.reward_pool import Outcome, PoolError, WorkerPool
 from rewards import RewardError, _clip, load_reward, reward_name, score_chunk
 
 ON_ERROR_MODES = ("stop", "zero")
@@ -44,8 +40,11 @@ class Scorer:
     ``on_error="stop"`` (default): any failing call raises ``RewardError``. ``on_error="zero"``: an
     episode whose call raises or returns a non-number / non-finite value scores 0.0 for that
     function, and a chunk that times out scores 0.0 for all its episodes (chunks still pending
-    after a timeout get one more ``timeout_s`` in all, then count as timed out too; the pool is
-    terminated and recreated on the next call). ``ScoredRewards.errors`` counts the zeroed
+    after a timeout get one more ``timeout_s`` in all, then count as timed out too; a timed-out
+    chunk's worker is killed, and a new pool serves the next call). A chunk whose worker dies
+    (a crash in native code, a kill from outside) fails the same way, its message naming the exit
+    status. Workers ignore SIGTERM: a running call is finished, not lost, when the job is being
+    stopped (grpo/reward_pool.py). ``ScoredRewards.errors`` counts the zeroed
     episodes per function, and each ``score`` call prints one warning line to stderr per function
     that had any. Configuration errors (a spec that does not load, a batched result of the wrong
     length) always raise.
@@ -81,19 +80,13 @@ class Scorer:
         self.timeout_s = timeout_s
         self.num_workers = num_workers
         self.on_error = on_error
-        self._pool = None
+        self._pool: WorkerPool | None = None
         if num_workers > 0:
             # Started now so the workers' start-up overlaps model setup.
             self._pool = self._new_pool()
 
-    def _new_pool(self) -> multiprocessing.pool.Pool:
-        self._pool_ready = False
-        self._in_flight = False  # tasks submitted and not all collected (see close)
-        # spawn, not fork: forking a process that holds CUDA state or torch threads is unsafe.
-        context = multiprocessing.get_context("spawn")
-        # Set by close(): only then do idle workers take SIGTERM as theirs (grpo/pool_worker.py).
-        self._stopping = context.Event()
-        return context.Pool(self.num_workers, initializer=start_worker, initargs=(os.getpid(), self._stopping))
+    def _new_pool(self) -> WorkerPool:
+        return WorkerPool(self.num_workers)
 
     def score(
         self, prompts: list[str], completions: list[str], answers: list[str], metadata: list[dict]
@@ -139,64 +132,64 @@ class Scorer:
         return rewards
 
     def _score_in_pool(self, episodes: tuple[list, list, list, list]) -> dict[str, list[float]]:
-        if self._pool is None:  # terminated after a timeout
+        if self._pool is None:  # stopped after a timeout or a dead worker
             self._pool = self._new_pool()
-        if not self._pool_ready:
-            # Wait for the workers to start: their spawn time must not count against the timeout.
-            self._pool.map(abs, range(self.num_workers), chunksize=1)
-            self._pool_ready = True
         n = len(episodes[0])
         bounds = [(n * k // self.num_workers, n * (k + 1) // self.num_workers) for k in range(self.num_workers)]
-        # Submit every chunk first so all workers are busy, then collect in order.
-        pending = []
-        for spec, name in zip(self.specs, self.names):
-            for start, end in bounds:
-                if start < end:
-                    args = (spec, start, *(column[start:end] for column in episodes), self.on_error)
-                    pending.append((name, start, end, self._pool.apply_async(run_task, (score_chunk, *args))))
-        self._in_flight = True
-        values = {name: [] for name in self.names}
-        deadline = None  # set at the first timeout (on_error="zero"): the rest share one more timeout_s
+        tasks = [(name, start, end, (spec, start, *(column[start:end] for column in episodes), self.on_error))
+                 for spec, name in zip(self.specs, self.names) for start, end in bounds if start < end]
+        timed_out = []
+
+        def on_timeout(i: int) -> bool:
+            timed_out.append(i)
+            return self.on_error == "zero"
+
         try:
-            for name, start, end, result in pending:
-                try:
-                    wait = self.timeout_s if deadline is None else max(0.0, deadline - time.monotonic())
-                    chunk = result.get(wait)
-                except multiprocessing.TimeoutError:
-                    message = (
-                        f"reward function {name!r} timed out after {self.timeout_s} s on episodes {start}-{end - 1} "
-                        "(the timeout bounds one chunk of episodes; worker pool terminated)"
-                    )
-                    if self.on_error != "zero":
-                        # A hung worker cannot be interrupted, only killed, and the pool goes with it.
-                        self.close()
-                        raise RewardError(message) from None
-                    if deadline is None:
-                        deadline = time.monotonic() + self.timeout_s
-                    chunk = ([0.0] * (end - start), None, end - start, message)
-                values[name].extend(self._unwrap(name, chunk))
-        finally:
-            if deadline is not None:
-                self.close()  # a worker may still hang; the pool is recreated on the next call
-        self._in_flight = False
+            outcomes = self._pool.run(score_chunk, [args for *_, args in tasks], self.timeout_s, on_timeout)
+        except PoolError as e:
+            self.close()
+            raise RewardError(str(e)) from None
+        except BaseException:
+            self.close()  # interrupted with tasks running (Ctrl-C): their workers are killed
+            raise
+        if not self._pool.healthy:
+            self.close()  # a worker was killed or died; a new pool serves the next call
+        if timed_out and self.on_error != "zero":
+            # Named: the chunk that ran out of time, not one stopped with it.
+            name, start, end, _ = tasks[timed_out[0]]
+            self.close()
+            raise RewardError(self._failure(name, start, end, outcomes[timed_out[0]]))
+        values = {name: [] for name in self.names}
+        for (name, start, end, _), outcome in zip(tasks, outcomes):
+            if outcome.status == "ok":
+                chunk = outcome.value
+            else:
+                message = self._failure(name, start, end, outcome)
+                if self.on_error != "zero":
+                    self.close()
+                    raise RewardError(message)
+                chunk = ([0.0] * (end - start), None, end - start, message)
+            values[name].extend(self._unwrap(name, chunk))
         return values
 
+    def _failure(self, name: str, start: int, end: int, outcome: Outcome) -> str:
+        where = f"reward function {name!r}"
+        episodes = f"episodes {start}-{end - 1}"
+        if outcome.status == "timeout":
+            return (
+                f"{where} timed out after {self.timeout_s} s on {episodes} "
+                "(the timeout bounds one chunk of episodes; its worker was killed)"
+            )
+        if outcome.status == "died":
+            return f"{where} did not finish on {episodes}: {outcome.detail}"
+        return f"{where} failed in its worker on {episodes}: {_clip(outcome.detail, 300)}"
+
     def close(self) -> None:
-        """Stop the workers. Between calls none runs a task: each takes the pool's end-of-work
-        sentinel and exits, and no signal is sent (a SIGTERM that lands just before an idle worker
-        blocks on the task queue's lock is never handled, and terminate() would then wait for that
-        worker for ever). After a timeout, or when an exception left tasks running, the pool is
-        terminated: `stopping` makes the workers' SIGTERM handler exit, and SIGTERM kills a
-        running task (grpo/pool_worker.py)."""
-        if self._pool is None:
-            return
-        if self._in_flight:
-            self._stopping.set()
-            self._pool.terminate()
-        else:
+        """Stop the workers: idle ones exit on the end-of-work message, busy ones are killed
+        (grpo/reward_pool.py)."""
+        if self._pool is not None:
             self._pool.close()
-            self._pool.join()
-        self._pool = None
+            self._pool = None
 
     def __enter__(self) -> "Scorer":
         return self

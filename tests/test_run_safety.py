@@ -23,7 +23,7 @@ from grpo.datasets import PromptDataset
 from grpo.faults import StartupError, check_output_dir
 from grpo.metrics import _Console
 from tests.hf_fixtures import build_checkpoint
-from tests.test_e2e import REPO, launch, launch_env
+from tests.test_e2e import REPO, command, launch, launch_env
 from tests.test_resume import finish, start, wait_for_step, worker_pids
 
 FAST = [
@@ -95,6 +95,39 @@ def test_the_lock_of_a_killed_run_is_taken_over_with_a_warning(tmp_path):
     assert second.returncode == 0, second.stderr[-3000:]
     assert "was left by a run that is gone (pid" in second.stderr + second.stdout
     assert (run_dir / ".tandem.lock").read_text() == ""  # a clean exit leaves no record
+
+
+def test_a_sigterm_to_every_process_during_a_reward_call_loses_nothing(tmp_path):
+    """What Slurm does on preemption: SIGTERM to every process of the job step, the reward worker
+    in the middle of a call included. The call finishes, the step it belongs to completes and is
+    saved, and the job exits 0 with its stop line."""
+    run_dir, pid_file = tmp_path / "run", tmp_path / "busy"
+    args = [*FAST, "--rewards.num_workers=1", '--rewards.functions=["tests.fixtures.slow_rewards:slow_first_call"]',
+            "--rewards.timeout_s=60", "--training.steps=100", f"--job.output_dir={run_dir}"]
+    proc = subprocess.Popen(command(args, 2), cwd=REPO, env={**launch_env(), "BUSY_PID_FILE": str(pid_file)},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 180
+    while not pid_file.exists() and time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        time.sleep(0.05)
+    assert pid_file.exists(), "no reward call started"
+    reward_pid = int(pid_file.read_text().split()[0])
+    ranks = list(worker_pids(proc.pid).values())
+    try:
+        for pid in [*ranks, reward_pid]:
+            os.kill(pid, signal.SIGTERM)
+        returncode, out, err = finish(proc)
+    finally:
+        for pid in ranks:  # each rank has a session of its own: torchrun's process group misses it
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert returncode == 0, err[-3000:]
+    line = next(line for line in out.splitlines() if line.startswith("stopped by SIGTERM after step "))
+    stopped = int(line.split("after step ")[1].split(":")[0])
+    assert f"checkpoint {run_dir / 'checkpoints' / f'step_{stopped}'}" in line
+    assert (run_dir / "checkpoints" / f"step_{stopped}").is_dir()
+    assert "reward" not in err.lower(), err[-3000:]
+    assert not our_traceback(err), err[-3000:]
 
 
 # ------------------------------------------------------------------------------ 2. truncated safetensors
