@@ -92,6 +92,25 @@ def test_compiled_halves_and_head_match_eager_for_any_token_count():
     assert not counters["graph_break"], dict(counters["graph_break"])
 
 
+def test_compiled_halves_keep_their_graphs_across_the_fused_reduction_line():
+    """Inductor fuses RMSNorm's two backward reductions only from 5 * 2**20 / dim tokens up; a
+    micro-batch on the other side of that line reuses the graphs the first one compiled."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()  # the halves' graphs from earlier tests would serve this model's blocks too
+    counters.clear()
+    model = _model()
+    compile_blocks(model)
+    line = 5 * 2**20 // ARGS.dim
+    graphs = []
+    for seed, lengths in enumerate(([4096] * (line // 4096 + 1), [1000, 2000])):
+        tokens, positions, doc_ids = _packed(lengths, seed)
+        model(tokens, positions, doc_ids, targets=tokens).logprobs.mean().backward()
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[0] > 0
+    assert graphs[1] == graphs[0], "a micro-batch below the line recompiled the block halves"
+
+
 @pytest.fixture(scope="module")
 def one_rank_group():
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
