@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from model.decode_kernel import slot_decode_triton  # noqa: E402
+from model.invariant_kernels import slot_attention  # noqa: E402
 
 H, HKV, D = 16, 8, 128
 
@@ -61,12 +61,12 @@ def main() -> None:
         q = torch.randn(batch, H, D, device=device, dtype=torch.bfloat16)
         slots = torch.randperm(batch, device=device)
         lengths = torch.full((batch,), opts.live, dtype=torch.int32, device=device)
-        ours = slot_decode_triton(q, k_cache, v_cache, slots, lengths)
+        ours = slot_attention(q, k_cache, v_cache, slots, lengths)
         theirs = flash_varlen(q, k_cache, v_cache, slots, lengths)
         live_bytes = 2 * batch * opts.live * HKV * D * 2
         row = dict(bench="decode_attention", batch=batch, live=opts.live, slot=opts.slot,
                    max_abs_diff=float((ours.float() - theirs.float()).abs().max()))
-        for name, fn in (("triton", slot_decode_triton), ("flash_varlen", flash_varlen)):
+        for name, fn in (("triton", slot_attention), ("flash_varlen", flash_varlen)):
             us = time_us(lambda: fn(q, k_cache, v_cache, slots, lengths))
             row[f"{name}_us"] = round(us, 1)
             row[f"{name}_GBps"] = round(live_bytes / us / 1e3)

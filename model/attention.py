@@ -9,7 +9,8 @@
 
 On CUDA in bf16/fp16, training and prefill run PyTorch's flash-attention kernel in its
 variable-length form (`torch.nn.attention.varlen`, `cu_seqlens`, forward and backward) and decode
-runs our Triton kernel (decode_kernel.py), which reads exactly the live keys once per KV head.
+runs our Triton kernel (invariant_kernels.py `slot_attention`), which reads exactly the live keys
+once per KV head.
 Elsewhere (CPU, fp32) the sequences of each length run as one batched, causal
 `scaled_dot_product_attention` call: the reference path the tests use. With batch-invariant
 numerics on (model/batch_invariant.py), all three run its fixed-order block attention instead:
@@ -139,9 +140,9 @@ def check_decode_kernel(n_heads: int, n_kv_heads: int, head_dim: int, device: to
     """Refuse, before any work, an attention shape the CUDA decode kernel cannot serve."""
     if not fast_kernels_serve(device, dtype):
         return
-    from model.decode_kernel import unsupported
+    from model.invariant_kernels import slot_attention_unsupported
 
-    reason = unsupported(n_heads, n_kv_heads, head_dim)
+    reason = slot_attention_unsupported(n_heads, n_kv_heads, head_dim)
     if reason is not None:
         raise ValueError(f"generator: the CUDA decode kernel does not support {reason}; use model.dtype = \"float32\"")
 
@@ -182,9 +183,9 @@ def slot_decode(
         return batch_invariant.slot_attention(q, k_cache, v_cache, slots, lengths)
     if uses_flash(q):
         # Imported here: Triton exists only where CUDA does.
-        from model.decode_kernel import slot_decode_triton
+        from model.invariant_kernels import slot_attention
 
-        return slot_decode_triton(q, k_cache, v_cache, slots, lengths)
+        return slot_attention(q, k_cache, v_cache, slots, lengths)
     L, Hkv = k_cache.shape[1], k_cache.shape[2]
     keys, values = k_cache[slots].transpose(1, 2), v_cache[slots].transpose(1, 2)  # [B, Hkv, L, D]
     live = (torch.arange(L, device=q.device)[None, :] < lengths[:, None])[:, None, None, :]

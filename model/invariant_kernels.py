@@ -16,6 +16,14 @@ split of the reduction across thread blocks, from the shapes they are given. Her
   it was prefilled, decoded from the cache, or recomputed in a packed training row.
 
 Only the forward passes are invariant; gradients need not be (model/invariant_ops.py).
+
+The decode kernel (`slot_attention`) is also the engine's decode attention in the default mode,
+where the other paths use cuBLAS and flash attention. Why a kernel of our own there: on torch 2.11
+the flash-attention kernel has no decode entry point (no split-KV, no KV-cache path), and its
+forward pass tiles queries in blocks of 128 rows, so a step with one query per sequence computes
+64-128 times the useful work and becomes compute-bound (bench/decode_attention.py measures it).
+Here one program loads the query heads that share a K/V head as one tile and streams only the
+sequence's live keys and values from its slot, once.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ GROUP_M = 8  # programs walk output tiles in groups of GROUP_M row tiles (L2 reu
 ATTENTION_BLOCK_M = 16  # query rows per program (the tensor-core minimum)
 ATTENTION_BLOCK_N = 64  # keys per block step
 ATTENTION_WARPS = 4
+ATTENTION_DECODE_STAGES = 2  # software pipelining of the decode kernel's loads (no effect on values)
 
 
 def _precision(t: torch.Tensor) -> str:
@@ -207,15 +216,24 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     return out
 
 
+def slot_attention_unsupported(n_heads: int, n_kv_heads: int, head_dim: int) -> str | None:
+    """Why `slot_attention` cannot serve this attention shape, or None when it can."""
+    if n_heads // n_kv_heads > ATTENTION_BLOCK_M:
+        return f"{n_heads // n_kv_heads} query heads per KV head (at most {ATTENTION_BLOCK_M})"
+    if head_dim & (head_dim - 1):
+        return f"head_dim {head_dim} (a power of two is needed)"
+    return None
+
+
 def slot_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
                    lengths: torch.Tensor) -> torch.Tensor:
     """q [B, H, D] against k_cache / v_cache [S, L, Hkv, D]: row b's query sits at position
     lengths[b] - 1 of slot slots[b] and attends to its first lengths[b] keys -> [B, H, D]."""
     B, H, D = q.shape
     Hkv = k_cache.shape[2]
-    if H // Hkv > ATTENTION_BLOCK_M:
-        raise ValueError(f"bitwise attention serves at most {ATTENTION_BLOCK_M} query heads per K/V head, "
-                         f"not {H // Hkv}")
+    problem = slot_attention_unsupported(H, Hkv, D)
+    if problem:
+        raise ValueError(f"the decode attention kernel does not support {problem}")
     q = q.contiguous()
     out = torch.empty_like(q)
     if B == 0:
@@ -224,7 +242,7 @@ def slot_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         q, k_cache, v_cache, out, slots, lengths, D**-0.5,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), out.stride(0), out.stride(1),
         G=H // Hkv, D=D, BLOCK_M=ATTENTION_BLOCK_M, BLOCK_N=ATTENTION_BLOCK_N,
-        PRECISION=_precision(q), num_warps=ATTENTION_WARPS,
+        PRECISION=_precision(q), num_warps=ATTENTION_WARPS, num_stages=ATTENTION_DECODE_STAGES,
     )
     return out
 
