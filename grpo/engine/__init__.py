@@ -5,6 +5,7 @@ resume / close. `NativeEngine` (native.py) is ours; the pieces it is built from:
 - sampling.py: keyed Gumbel-max sampling with top-k / top-p, all on the device
 - cache.py: the slotted KV cache and per-slot decode state, allocated once from a memory budget
 - decode.py: one decode step over cache slots, eager or replayed from CUDA graphs per batch bucket
+- collect.py: which slots finished, and their completions read back to the host
 
 `VLLMEngine` (vllm_engine.py, with vllm_model.py and vllm_plugin.py) runs our model inside vLLM
 behind the same generate / update_weights / release_cache calls; it is imported only when

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from grpo.engine.cache import SlotCache, slot_bytes, slots_for_budget
+from grpo.engine.collect import finished_completions
 from grpo.engine.decode import DecodeStep
 from grpo.engine.sampling import request_keys, sample, vocab_hash
 from grpo.engine.types import (
@@ -33,7 +34,6 @@ from grpo.engine.types import (
     GenerationRequest,
     SamplingParams,
     WeightUpdate,
-    stop_length,
 )
 from model import ModelArgs, Transformer
 from model.attention import check_decode_kernel
@@ -309,7 +309,10 @@ class NativeEngine:
             self._decode_steps(sorted(active), sp, steps)
             for slot in active:
                 remaining[slot] = max(0, remaining[slot] - steps)
-            for slot, result in self._collect(requests, sp, active, checked).items():
+            ended = finished_completions(
+                self.cache, requests, active, checked, self.stop_strings, self.decode_text, self.version
+            )
+            for slot, result in ended.items():
                 results[active.pop(slot)] = result
                 del remaining[slot]
                 free.append(slot)
@@ -373,49 +376,3 @@ class NativeEngine:
         c.generated[s] = 1
         c.out_tokens[s, 0], c.out_logprobs[s, 0] = first, logprob
         c.eos[s], c.done[s] = hit_eos, hit_eos | (budget <= 1)
-
-    def _collect(self, requests, sp, active: dict, checked: dict) -> dict[int, Completion]:
-        """Completions of the slots that finished (EOS, budget or a stop string), by slot."""
-        if not active:
-            return {}
-        c = self.cache
-        slots = sorted(active)
-        s = torch.tensor(slots, device=self.device)
-        state = torch.stack((c.done[s].long(), c.eos[s].long(), c.generated[s])).cpu()
-        done, eos, generated = state[0].bool().tolist(), state[1].bool().tolist(), state[2].tolist()
-        stops = self._stop_lengths(slots, generated, eos, checked) if self.stop_strings else {}
-        ended = [i for i, slot in enumerate(slots) if done[i] or slot in stops]
-        if not ended:
-            return {}
-        rows = s[ended]
-        width = max(generated[i] for i in ended)
-        out_tokens = c.out_tokens[rows, :width].cpu()
-        out_logprobs = c.out_logprobs[rows, :width].cpu()
-        finished = {}
-        for j, i in enumerate(ended):
-            slot = slots[i]
-            n = stops.get(slot, generated[i])
-            reason = "stop" if slot in stops else "eos" if eos[i] else "length"
-            finished[slot] = Completion(
-                request=requests[active[slot]],
-                tokens=out_tokens[j, :n].tolist(),
-                logprobs=out_logprobs[j, :n].tolist(),
-                finish_reason=reason,
-                version=self.version,
-            )
-        return finished
-
-    def _stop_lengths(self, slots: list[int], generated: list[int], eos: list[bool], checked: dict) -> dict[int, int]:
-        """Slots whose text reached a stop string -> the completion length that ends at it.
-
-        Token t is checked once the prefix up to t exists; an EOS token ends by EOS instead."""
-        rows = torch.tensor(slots, device=self.device)
-        tokens = self.cache.out_tokens[rows, : max(generated)].cpu()
-        found = {}
-        for i, slot in enumerate(slots):
-            last = generated[i] - 1 if eos[i] else generated[i]
-            n = stop_length(tokens[i].tolist(), checked[slot], last, self.stop_strings, self.decode_text)
-            if n is not None:
-                found[slot] = n
-            checked[slot] = last
-        return found
