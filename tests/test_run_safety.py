@@ -51,6 +51,19 @@ def snapshot(run_dir: Path) -> dict[str, bytes]:
     }
 
 
+def launch_until_reward_call(args: list[str], env: dict[str, str], pid_file: Path) -> tuple[subprocess.Popen, int]:
+    """Launch a 2-rank job and wait until its reward function writes its pid to pid_file (the
+    fixtures in tests/fixtures/slow_rewards.py do); -> the job and that reward worker's pid."""
+    proc = subprocess.Popen(command(args, 2), cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    deadline = time.monotonic() + 180
+    while not pid_file.exists() and time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        time.sleep(0.05)
+    assert pid_file.exists(), "no reward call started"
+    return proc, int(pid_file.read_text().split()[0])
+
+
 # ------------------------------------------------------------------------------ 1. one run per folder
 
 
@@ -104,14 +117,7 @@ def test_a_sigterm_to_every_process_during_a_reward_call_loses_nothing(tmp_path)
     run_dir, pid_file = tmp_path / "run", tmp_path / "busy"
     args = [*FAST, "--rewards.num_workers=1", '--rewards.functions=["tests.fixtures.slow_rewards:slow_first_call"]',
             "--rewards.timeout_s=60", "--training.steps=100", f"--job.output_dir={run_dir}"]
-    proc = subprocess.Popen(command(args, 2), cwd=REPO, env={**launch_env(), "BUSY_PID_FILE": str(pid_file)},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    deadline = time.monotonic() + 180
-    while not pid_file.exists() and time.monotonic() < deadline:
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
-        time.sleep(0.05)
-    assert pid_file.exists(), "no reward call started"
-    reward_pid = int(pid_file.read_text().split()[0])
+    proc, reward_pid = launch_until_reward_call(args, {**launch_env(), "BUSY_PID_FILE": str(pid_file)}, pid_file)
     ranks = list(worker_pids(proc.pid).values())
     try:
         for pid in [*ranks, reward_pid]:
@@ -190,16 +196,7 @@ def killed_trainer(tmp_path_factory):
     env = {**launch_env(), "TANDEM_TEST_MARKER": marker, "HANG_PID_FILE": str(pid_file)}
     args = [*FAST, "--rewards.num_workers=1", '--rewards.functions=["tests.fixtures.slow_rewards:hang_and_record"]',
             "--rewards.timeout_s=200", "--training.steps=5", f"--job.output_dir={tmp / 'run'}"]
-    from tests.test_e2e import command
-
-    proc = subprocess.Popen(command(args, 2), cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
-    deadline = time.monotonic() + 180
-    while not pid_file.exists() and time.monotonic() < deadline:
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
-        time.sleep(0.1)
-    assert pid_file.exists(), "no reward call started"
-    reward_pid = int(pid_file.read_text().split()[0])
+    proc, reward_pid = launch_until_reward_call(args, env, pid_file)
     trainer = worker_pids(proc.pid)[1]
     os.kill(trainer, signal.SIGKILL)
     _, stderr = proc.communicate(timeout=120)
