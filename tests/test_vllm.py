@@ -107,6 +107,24 @@ def test_weight_update_reaches_vllm_and_stop_strings_cut_like_the_native_engine(
     vllm.close()
 
 
+@pytest.mark.parametrize(("cores", "local_ranks", "want"), [
+    ([0, 1], 2, ["0", "1"]),
+    ([0, 1, 2, 3], 1, ["0,1,2,3"]),
+    ([2, 3, 5, 7], 2, ["2,3", "5,7"]),
+    ([0, 1], 4, ["0", "1", "0", "1"]),
+])
+def test_each_local_rank_binds_vllm_to_its_own_cores(monkeypatch, cores, local_ranks, want):
+    from grpo.engine.vllm_engine import cpu_share_of_this_rank
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(cores))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local_ranks))
+    got = []
+    for rank in range(local_ranks):
+        monkeypatch.setenv("LOCAL_RANK", str(rank))
+        got.append(cpu_share_of_this_rank())
+    assert got == want
+
+
 VLLM_DEMO = ["--generation.engine=vllm", "--generation.kv_cache_gb=1", "--model.dim=64", "--model.n_heads=2",
              "--model.n_kv_heads=1", "--training.steps=60", "--metrics.progress_bar=false"]
 
