@@ -272,5 +272,37 @@ def _in_order_interpreter_dot() -> None:
     interpreter.InterpreterBuilder.create_dot = create_dot
 
 
+def _patch_the_language_once_per_launch() -> None:
+    """Interpreted, a launch patches the `triton.language` modules its kernel sees with numpy
+    implementations, and every call of a `@triton.jit` helper inside it (ours, `_attend_block`,
+    once per key block; Triton's, `tl.zeros`, `tl.sum`, in every program) patched the modules its
+    own module sees again, through `inspect.getmembers`: a third of the interpreted time. Patches
+    made inside a launch stay until it ends, so here each module's names are patched once per
+    launch; what the patches do is unchanged."""
+    from triton.runtime import interpreter
+
+    launch = interpreter.GridExecutor.__call__
+    patch_language = interpreter._patch_lang
+    patched: list[set[int]] = []  # the globals already patched, while a launch runs
+
+    def launch_grid(self, *args, **kwargs):
+        patched.append(set())
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            patched.pop()
+
+    def patch_once(fn):
+        if patched and id(fn.__globals__) in patched[-1]:
+            return None  # a helper's call: the caller drops the scope and restores nothing
+        if patched:
+            patched[-1].add(id(fn.__globals__))
+        return patch_language(fn)
+
+    interpreter.GridExecutor.__call__ = launch_grid
+    interpreter._patch_lang = patch_once
+
+
 if os.environ.get("TRITON_INTERPRET") == "1":
     _in_order_interpreter_dot()
+    _patch_the_language_once_per_launch()

@@ -49,15 +49,16 @@ def mixed_prompts(n: int) -> list[list[int]]:
     return [torch.randint(0, EOS, (length,), generator=g).tolist() for length in lengths]
 
 
-def pi_old_gap(max_batch_size: int, micro_batch_tokens: int, temperature: float = 1.0) -> dict[str, float]:
-    """Generate GROUP completions of each mixed prompt, then let a trainer recompute their
-    log-probs: the trainer's logprob_diff metrics of that first step."""
+def pi_old_gap(max_batch_size: int, micro_batch_tokens: int, temperature: float = 1.0,
+               prompts: int = 8) -> dict[str, float]:
+    """Generate GROUP completions of each of the first `prompts` mixed prompts, then let a trainer
+    recompute their log-probs: the trainer's logprob_diff metrics of that first step."""
     model = policy()
     sampling = SamplingParams(max_new_tokens=12, temperature=temperature)
     engine = NativeEngine(ARGS, sampling, eos_ids=[EOS], seed=1, dtype=torch.float32, device="cpu",
                           max_batch_size=max_batch_size)
     engine.update_weights([[(n, (), p.detach()) for n, p in model.named_parameters()]], version=0)
-    requests = [GenerationRequest(p, 0, i, s) for i, p in enumerate(mixed_prompts(8)) for s in range(GROUP)]
+    requests = [GenerationRequest(p, 0, i, s) for i, p in enumerate(mixed_prompts(prompts)) for s in range(GROUP)]
     batch = episodes_from_completions(engine.generate(requests), pad_id=0)
     batch.advantages = torch.randn(len(batch), generator=torch.Generator().manual_seed(2))
     with single_process_group():
