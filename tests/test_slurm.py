@@ -134,7 +134,7 @@ def test_requeued_job_resumes_from_its_checkpoint(slurm, tmp_path):
     boundary and exit; the job runs again and resumes from that checkpoint to the end."""
     env, _ = slurm
     log, run = tmp_path / "job.out", tmp_path / "run"
-    job_id = _submit(env, log, [*DEMO, "--training.steps=150", "--checkpoint.every=0", f"--job.output_dir={run}"],
+    job_id = _submit(env, log, [*DEMO, "--training.steps=60", "--checkpoint.every=0", f"--job.output_dir={run}"],
                      "--requeue")
     deadline = time.monotonic() + 240
     while not (run / "metrics.jsonl").exists() or len(metrics(run)) < 10:
@@ -152,7 +152,7 @@ def test_requeued_job_resumes_from_its_checkpoint(slurm, tmp_path):
     assert f"resuming from {run / 'checkpoints' / f'step_{stopped.group(1)}'} at step {stopped.group(1)}" in text
     assert f"tandem: job {job_id} (restart 1)" in text
     steps = [r["step"] for r in metrics(run)]
-    assert steps == sorted(set(steps)) and steps[-1] == 150
+    assert steps == sorted(set(steps)) and steps[-1] == 60
 
 
 def test_two_torchrun_agents_on_one_rendezvous_train_and_resume(tmp_path):
