@@ -82,7 +82,6 @@ def compile_blocks(model: Transformer) -> None:
         block.after_attention = torch.compile(block.after_attention, dynamic=True, options=_INDUCTOR_OPTIONS)
 
 
-
 # Tensor parallelism for the generator's engine. A TP group of `tp` ranks holds one engine: query
 # heads, K/V heads and the SwiGLU width split evenly (Megatron's column-parallel q/k/v and w1/w3,
 # row-parallel wo and w2, whose partial outputs are summed over the group); K/V heads replicated

@@ -31,7 +31,7 @@ def finished_completions(
     s = torch.tensor(slots, device=c.device)
     state = torch.stack((c.done[s].long(), c.eos[s].long(), c.generated[s])).cpu()
     done, eos, generated = state[0].bool().tolist(), state[1].bool().tolist(), state[2].tolist()
-    stops = _stop_lengths(c, slots, generated, eos, checked, stop_strings, decode_text) if stop_strings else {}
+    stops = _stop_lengths(c, s, slots, generated, eos, checked, stop_strings, decode_text) if stop_strings else {}
     ended = [i for i, slot in enumerate(slots) if done[i] or slot in stops]
     if not ended:
         return {}
@@ -56,6 +56,7 @@ def finished_completions(
 
 def _stop_lengths(
     cache: SlotCache,
+    rows: torch.Tensor,
     slots: list[int],
     generated: list[int],
     eos: list[bool],
@@ -65,8 +66,8 @@ def _stop_lengths(
 ) -> dict[int, int]:
     """Slots whose text reached a stop string -> the completion length that ends at it.
 
-    Token t is checked once the prefix up to t exists; an EOS token ends by EOS instead."""
-    rows = torch.tensor(slots, device=cache.device)
+    rows: `slots` as a tensor on the cache's device. Token t is checked once the prefix up to t
+    exists; an EOS token ends by EOS instead."""
     tokens = cache.out_tokens[rows, : max(generated)].cpu()
     found = {}
     for i, slot in enumerate(slots):
