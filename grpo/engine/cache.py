@@ -25,6 +25,20 @@ def slot_bytes(args: ModelArgs, max_len: int, dtype: torch.dtype) -> int:
     return per_token * max_len
 
 
+def kv_budget_bytes(
+    per_sequence: int, sequences: int, device: torch.device, kv_cache_gb: float, kv_cache_fraction: float
+) -> int:
+    """The K/V budget of an engine: kv_cache_gb when set, else room for `sequences` sequences of
+    `per_sequence` bytes, on CUDA at most kv_cache_fraction of the device memory free now."""
+    if kv_cache_gb > 0:
+        return int(kv_cache_gb * 1e9)
+    budget = per_sequence * sequences
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = min(budget, int(free * kv_cache_fraction))
+    return budget
+
+
 def slots_for_budget(args: ModelArgs, max_len: int, dtype: torch.dtype, budget_bytes: int, max_slots: int) -> int:
     """How many slots of max_len tokens fit in budget_bytes (the scratch slot included), at most max_slots."""
     return max(0, min(max_slots, budget_bytes // slot_bytes(args, max_len, dtype) - 1))

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 import torch.distributed as dist
 
-from grpo.engine.cache import SlotCache, slot_bytes, slots_for_budget
+from grpo.engine.cache import SlotCache, kv_budget_bytes, slot_bytes, slots_for_budget
 from grpo.engine.collect import finished_completions
 from grpo.engine.decode import DecodeStep
 from grpo.engine.sampling import request_keys, sample, vocab_hash
@@ -35,6 +35,7 @@ from grpo.engine.types import (
     SamplingParams,
     WeightUpdate,
 )
+from grpo.engine.vmm import mapped_bytes
 from model import ModelArgs, Transformer
 from model.attention import check_decode_kernel
 from model.parallelize import apply_tensor_parallel, compile_blocks, tensor_parallel_args
@@ -130,19 +131,18 @@ class NativeEngine:
         if self.cache is not None:
             self.cache.release_kv()
 
+    def outside_bytes(self) -> int:
+        """Device memory the engine holds outside PyTorch's allocator: the mapped KV cache (CUDA)."""
+        return mapped_bytes()
+
     def _allocate(self, max_seq_len: int) -> None:
         """Allocate the KV cache: as many slots of max_seq_len tokens as the budget holds."""
         if self.decoder is not None:
             self.decoder.release()
         self.cache = self.decoder = None
         per_slot = slot_bytes(self.args, max_seq_len, self.dtype)
-        if self.kv_cache_gb > 0:
-            budget = int(self.kv_cache_gb * 1e9)
-        else:
-            budget = per_slot * (self.max_batch_size + 1)
-            if self.device.type == "cuda":
-                free, _ = torch.cuda.mem_get_info(self.device)
-                budget = min(budget, int(free * self.kv_cache_fraction))
+        # + 1: the scratch slot
+        budget = kv_budget_bytes(per_slot, self.max_batch_size + 1, self.device, self.kv_cache_gb, self.kv_cache_fraction)
         num_slots = slots_for_budget(self.args, max_seq_len, self.dtype, budget, self.max_batch_size)
         if num_slots < 1:
             raise ValueError(

@@ -1,27 +1,45 @@
-"""Our native model inside vLLM: a thin wrapper that vLLM's model registry instantiates.
+"""Our native model inside vLLM: a thin wrapper that vLLM's model registry instantiates, and the
+methods our engine calls in vLLM's worker.
 
 The layers are `model.Transformer`'s own (same parameter names and layout, so weight updates from
 the trainer need no renaming); only attention is vLLM's, one `Attention` layer per block over its
 paged KV cache, called between the two halves of each block exactly where the native engine puts
-its own cache-aware attention. Imported only inside vLLM's engine process (it imports vllm).
+its own cache-aware attention. Importing this module registers the wrapper with vLLM: the engine
+imports it in the rank before it starts vLLM, and vLLM's worker imports it as the worker
+extension, before it loads the model. (No plugin entry point: registration does not depend on how
+the package was installed.)
 """
 
 from __future__ import annotations
 
-import io
+import math
 from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from vllm.model_executor.layers.attention import Attention
+from vllm import ModelRegistry
+from vllm.compilation.decorators import support_torch_compile
 
+from grpo.engine.vllm_staging import OpenedStaging, StagedPiece
 from model import ModelArgs, Transformer
 
+# The name the wrapper is registered under; the engine's config.json asks for it.
+ARCHITECTURE = "TandemForCausalLM"
 
+try:  # vLLM 0.26 and later
+    from vllm.model_executor.layers.attention import Attention
+except ImportError:  # vLLM before the attention layers moved
+    from vllm.attention import Attention
+
+
+# vLLM compiles forward (when its compilation mode asks for it) with the token axis dynamic, and
+# splits the graph at its attention op to capture the pieces in CUDA graphs, as for its own models.
+@support_torch_compile(dynamic_arg_dims={"input_ids": 0, "positions": 0})
 class TandemForCausalLM(nn.Module):
     """vLLM's model interface over `Transformer`: flattened tokens in, hidden states out, logits
-    from the (possibly tied) output weight."""
+    from the (possibly tied) output weight. The projections are fused as in the native engine
+    (one q/k/v matmul, one gate/up matmul per block; parameters are views into them)."""
 
     def __init__(self, *, vllm_config, prefix: str = ""):
         super().__init__()
@@ -30,6 +48,8 @@ class TandemForCausalLM(nn.Module):
         config["architectures"] = [config.pop("tandem_architecture")]
         args = ModelArgs.from_hf_config(config)
         self.model = Transformer(args, dtype=vllm_config.model_config.dtype)
+        self.model.fuse_projections()
+        self.model.keep_rope_on(vllm_config.device_config.device)
         self.attention = nn.ModuleList(
             Attention(
                 args.n_heads,
@@ -62,7 +82,9 @@ class TandemForCausalLM(nn.Module):
         return F.linear(hidden_states, self.model.output_weight)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy native-named tensors into the parameters, in place; returns the names loaded."""
+        """Copy native-named tensors into the parameters, in place; returns the names loaded. (vLLM's
+        loaders call this for checkpoint formats; the engine starts from dummy weights and syncs
+        through the staging buffer instead.)"""
         params = {f"model.{name}": p for name, p in self.model.named_parameters()}
         loaded = set()
         with torch.no_grad():
@@ -76,12 +98,69 @@ class TandemForCausalLM(nn.Module):
 
 
 class TandemWorkerExtension:
-    """Methods vLLM mixes into its worker (`worker_extension_cls`), called through
-    `LLM.collective_rpc`. Weights travel as one serialised byte string: vLLM's zero-copy tensor
-    messages cannot be forwarded on to a worker process."""
+    """Methods vLLM mixes into its worker (`worker_extension_cls`), called from the engine through
+    `LLM.collective_rpc`; each name starts with `tandem_` so none shadows the worker's own."""
 
-    def load_tandem_weights(self, payload: bytes) -> int:
-        """Copy whole native-named tensors (a `torch.save`d list of (name, tensor), in memory) into
-        the wrapper's parameters; returns how many."""
-        updates = torch.load(io.BytesIO(payload), weights_only=True)
-        return len(self.model_runner.get_model().load_weights(updates))
+    def tandem_open_staging(self, handle: bytes) -> None:
+        """Map the rank's staging buffer (vllm_staging.py) into this process, once."""
+        self._tandem_staging = OpenedStaging(handle)
+        self._tandem_params = dict(self.model_runner.get_model().model.named_parameters())
+        self._tandem_plans: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+
+    def tandem_load_staged(self, plan_id: int, pieces: list[StagedPiece] | None) -> None:
+        """Copy a buffer-full of pieces into the parameters: `param[box] = staging[offset:][:numel]`.
+        `pieces` describes the plan the first time it is used; later calls name it by its id.
+        Returns when the copies are done, so that the rank may refill the buffer."""
+        if pieces is not None:
+            staging = self._tandem_staging.tensor
+            targets = [self._tandem_params[name][tuple(slice(lo, hi) for lo, hi in box)] for name, box, _, _ in pieces]
+            sources = [staging[offset : offset + math.prod(shape)].view(shape) for _, _, offset, shape in pieces]
+            self._tandem_plans[plan_id] = (targets, sources)
+        targets, sources = self._tandem_plans[plan_id]
+        with torch.no_grad():
+            torch._foreach_copy_(targets, sources)
+        if targets[0].is_cuda:
+            torch.cuda.synchronize(targets[0].device)
+
+    def tandem_release_kv(self) -> int:
+        """Unmap the physical pages of vLLM's "kv_cache" pool (the K/V tensors and the buffers
+        allocated with them), keeping their virtual addresses; the weights stay on the GPU, where
+        vLLM's own sleep copies them to host memory. Returns the bytes given back."""
+        from vllm.device_allocator.cumem import CuMemAllocator, unmap_and_release
+
+        torch.cuda.synchronize()
+        released = 0
+        for data in CuMemAllocator.get_instance().pointer_to_data.values():
+            if data.tag == "kv_cache" and not data.is_asleep:
+                unmap_and_release(data.handle)
+                data.is_asleep = True
+                released += data.handle[1]
+        return released
+
+    def tandem_restore_kv(self) -> None:
+        """Map fresh pages at the K/V cache's addresses (their contents are undefined: the engine
+        resets the prefix cache next)."""
+        from vllm.device_allocator.cumem import CuMemAllocator, create_and_map
+
+        for data in CuMemAllocator.get_instance().pointer_to_data.values():
+            if data.tag == "kv_cache" and data.is_asleep:
+                create_and_map(data.handle)
+                data.is_asleep = False
+        # What vLLM's own wake-up does for this pool: buffers that live beside the K/V tensors
+        # (the block tables' layout) are filled in again.
+        self.model_runner.post_kv_cache_wake_up()
+
+    def tandem_device_bytes(self) -> int:
+        """Device memory this process holds through PyTorch, less the K/V pages now unmapped."""
+        from vllm.device_allocator.cumem import CuMemAllocator
+
+        unmapped = sum(d.handle[1] for d in CuMemAllocator.get_instance().pointer_to_data.values() if d.is_asleep)
+        return torch.cuda.memory_reserved() - unmapped
+
+    def tandem_close_staging(self) -> None:
+        self._tandem_params, self._tandem_plans = {}, {}
+        self._tandem_staging.close()
+
+
+if ARCHITECTURE not in ModelRegistry.get_supported_archs():
+    ModelRegistry.register_model(ARCHITECTURE, TandemForCausalLM)
