@@ -2,7 +2,8 @@
 reasoning-gym sums) through tandem, and optionally the same model, prompts and batch shape through
 TRL's `GRPOTrainer` in the same run, one JSON line each.
 
-    python3 bench/real_model.py [--model models/SmolLM2-135M-Instruct] [--steps 25] [--trl]
+    python3 bench/real_model.py [--model models/SmolLM2-135M-Instruct] [--steps 25] [--engines native,vllm]
+                                [--trl] [--trl-vllm]
     python3 bench/real_model.py --cpu      # the CPU variant, configs/smollm2_sums_cpu.toml
 
 tandem: `train_grpo.py --config configs/smollm2_sums.toml` on one GPU (colocated); reported: held-out
@@ -13,6 +14,7 @@ the same training prompts in the same order, 64 prompts x 8 completions per opti
 the same `reasoning_gym` reward; held-out greedy accuracy before and after from HF `generate` on the
 same 256 held-out prompts. Where the two still differ: TRL's default linear LR decay against
 tandem's warmup + cosine, and TRL's default loss normalisation against tandem's `dapo`.
+`--trl-vllm` runs TRL as its users run it on one GPU: `use_vllm=True, vllm_mode="colocate"`.
 """
 
 from __future__ import annotations
@@ -33,14 +35,14 @@ def config_path(opts) -> Path:
     return REPO / "configs" / ("smollm2_sums_cpu.toml" if opts.cpu else "smollm2_sums.toml")
 
 
-def tandem(opts) -> dict:
+def tandem(opts, engine: str = "native") -> dict:
     config = config_path(opts)
-    out = opts.workdir / "tandem"
+    out = opts.workdir / f"tandem_{engine}"
     nproc = 2 if opts.cpu else 1
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                str(REPO / "train_grpo.py"), "--config", str(config), f"--model.path={opts.model}",
                f"--training.steps={opts.steps}", f"--job.output_dir={out}", "--checkpoint.resume=none",
-               "--metrics.progress_bar=false"]
+               "--metrics.progress_bar=false", f"--generation.engine={engine}"]
     start = time.perf_counter()
     result = subprocess.run(command, cwd=REPO, stdout=sys.stderr)
     if result.returncode != 0:
@@ -49,7 +51,7 @@ def tandem(opts) -> dict:
     evals = [r for r in rows if "eval/accuracy" in r]
     steps = [r for r in rows if "time/step_s" in r]
     return dict(
-        impl="tandem", config=config.name, steps=opts.steps, wall_s=round(time.perf_counter() - start, 1),
+        impl="tandem", engine=engine, config=config.name, steps=opts.steps, wall_s=round(time.perf_counter() - start, 1),
         accuracy_before=evals[0]["eval/accuracy"], accuracy_after=evals[-1]["eval/accuracy"],
         accuracy_curve=[(r["step"], r["eval/accuracy"]) for r in evals],
         reward_curve=[(r["step"], round(r["reward/mean"], 4)) for r in steps],
@@ -59,7 +61,7 @@ def tandem(opts) -> dict:
     )
 
 
-def trl_peer(opts) -> dict:
+def trl_peer(opts, use_vllm: bool = False) -> dict:
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -88,6 +90,8 @@ def trl_peer(opts) -> dict:
         num_generations=G, max_completion_length=cfg.generation.max_new_tokens, temperature=1.0,
         learning_rate=cfg.optimizer.lr, beta=0.0, max_steps=opts.steps, logging_steps=1, report_to=[],
         bf16=torch.cuda.is_available(), shuffle_dataset=False, save_strategy="no", seed=0,
+        # how TRL's users run it on one GPU: vLLM generating in the training process
+        **(dict(use_vllm=True, vllm_mode="colocate") if use_vllm else {}),
     )
 
     class StepTimes(TrainerCallback):
@@ -125,7 +129,10 @@ def trl_peer(opts) -> dict:
     trainer.train()
     wall = time.perf_counter() - start
     curve = [(h["step"], round(h["reward"], 4)) for h in trainer.state.log_history if "reward" in h]
-    return dict(impl="trl", trl_version=__import__("trl").__version__, steps=opts.steps, wall_s=round(wall, 1),
+    versions = dict(trl_version=__import__("trl").__version__)
+    if use_vllm:
+        versions["vllm_version"] = __import__("vllm").__version__
+    return dict(impl="trl_vllm" if use_vllm else "trl", **versions, steps=opts.steps, wall_s=round(wall, 1),
                 accuracy_before=before, accuracy_after=accuracy(), reward_curve=curve,
                 step_s_median=round(statistics.median(timer.times[1:] or timer.times), 3))
 
@@ -136,16 +143,25 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=25)
     parser.add_argument("--workdir", type=Path, default=REPO / "runs" / "bench_real_model")
     parser.add_argument("--trl", action="store_true", help="also run TRL's GRPOTrainer (needs trl installed)")
+    parser.add_argument("--trl-vllm", action="store_true",
+                        help="also run TRL's GRPOTrainer with use_vllm=True, vllm_mode='colocate' (needs trl and vllm)")
+    parser.add_argument("--engines", default="native", help="tandem's generation engines to run, comma-separated")
     parser.add_argument("--cpu", action="store_true", help="the CPU variant (configs/smollm2_sums_cpu.toml)")
     opts = parser.parse_args()
     if not (opts.model / "config.json").is_file():
         raise SystemExit(f"{opts.model} is not a model folder; build it with: python scripts/get_smollm2.py")
-    rows = [tandem(opts)]
-    print(json.dumps(rows[0]), flush=True)
-    if opts.trl:
-        rows.append(trl_peer(opts))
-        print(json.dumps(rows[1]), flush=True)
-        print(json.dumps(dict(bench="real_model_ratio", tandem_step_over_trl=round(rows[0]["step_s_median"] / rows[1]["step_s_median"], 3))))
+    rows = []
+    for engine in opts.engines.split(","):
+        rows.append(tandem(opts, engine))
+        print(json.dumps(rows[-1]), flush=True)
+    for wanted, use_vllm in ((opts.trl, False), (opts.trl_vllm, True)):
+        if not wanted:
+            continue
+        peer = trl_peer(opts, use_vllm)
+        print(json.dumps(peer), flush=True)
+        ratios = {f"tandem_{r['engine']}_step_over_{peer['impl']}": round(r["step_s_median"] / peer["step_s_median"], 3)
+                  for r in rows}
+        print(json.dumps(dict(bench="real_model_ratio", **ratios)), flush=True)
 
 
 if __name__ == "__main__":
