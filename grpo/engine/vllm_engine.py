@@ -329,5 +329,6 @@ class VLLMEngine:
         """Stop vLLM's engine-core process; free the staging buffer and the config folder."""
         self.llm.collective_rpc("tandem_close_staging")
         self.llm.llm_engine.engine_core.shutdown()
+        self._plans.clear()
         self._staging.close()
         shutil.rmtree(self._folder, ignore_errors=True)
