@@ -49,9 +49,9 @@ def _requests(args: ModelArgs) -> list[GenerationRequest]:
             for i, n in enumerate((1, 5, 12, 3, 20))]
 
 
-def _engines(args: ModelArgs, sp: SamplingParams, **kw):
+def _engines(args: ModelArgs, sp: SamplingParams, staging_mb: float | None = None, **kw):
     vllm = VLLMEngine(args, sp, eos_ids=[EOS], seed=0, dtype=torch.float32, device="cpu", kv_cache_gb=1,
-                      max_seq_len=64, **kw)
+                      max_seq_len=64, staging_mb=staging_mb, **kw)
     native = NativeEngine(args, sp, eos_ids=[EOS], seed=0, dtype=torch.float32, device="cpu", **kw)
     return vllm, native
 
@@ -87,47 +87,41 @@ def test_vllm_logprobs_equal_our_forward_and_hf(arch, tmp_path):
     vllm.close()
 
 
-def test_weight_update_reaches_vllm_and_stop_strings_cut_like_the_native_engine():
-    """After an in-memory update vLLM generates with the new weights (its greedy completions equal
-    the native engine's on them); stop strings end completions where the native engine ends them."""
+def _row_halves(model: Transformer) -> list:
+    """The weights as split mode's buckets bring them: row ranges of each parameter."""
+    pieces = []
+    for name, p in model.named_parameters():
+        half = (p.shape[0] + 1) // 2
+        pieces.append([(name, (slice(0, half),), p.detach()[:half]), (name, (slice(half, None),), p.detach()[half:])])
+    return pieces
+
+
+def test_weight_update_reaches_vllm_and_stop_strings_cut_like_the_native_engine(monkeypatch):
+    """After an in-memory update vLLM holds the new weights bitwise and generates with them (its
+    greedy completions equal the native engine's); stop strings end completions where the native
+    engine ends them. The staging buffer is 10 KB: updates made of row ranges go over in many
+    flushes, the embedding in row blocks, and the second sync reuses the flush plans."""
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # to read vLLM's parameters back
     args = ARCHS["qwen3"]
     text = lambda tokens: "".join(chr(ord("a") + t % 26) for t in tokens)  # noqa: E731
     sp = SamplingParams(max_new_tokens=12, temperature=0.0)
-    vllm, native = _engines(args, sp, stop_strings=["q", "zz"], decode_text=text)
+    vllm, native = _engines(args, sp, stop_strings=["q", "zz"], decode_text=text, staging_mb=0.01)
     before = _model(args, seed=0)
-    vllm.update_weights(_weights(before), version=1)
+    vllm.update_weights(_row_halves(before), version=1)
     first = vllm.generate(_requests(args))
     after = _model(args, seed=7)
-    vllm.update_weights(_weights(after), version=2)
+    vllm.update_weights(_row_halves(after), version=2)
     native.update_weights(_weights(after), version=2)
+    held = vllm.llm.collective_rpc(
+        lambda worker: {n: p.detach().clone() for n, p in worker.model_runner.get_model().model.named_parameters()}
+    )[0]
+    for name, p in after.named_parameters():
+        assert torch.equal(held[name], p.detach()), name
+    assert len(vllm._plans) > 3
     ours, theirs = vllm.generate(_requests(args)), native.generate(_requests(args))
     assert [c.tokens for c in ours] != [c.tokens for c in first]
     assert [(c.tokens, c.finish_reason, c.version) for c in ours] == [(c.tokens, c.finish_reason, c.version) for c in theirs]
     assert {c.finish_reason for c in ours} >= {"stop"}, [c.finish_reason for c in ours]
-    vllm.close()
-
-
-def test_weights_pass_a_small_staging_buffer_bitwise_in_pieces(monkeypatch):
-    """A staging buffer of 10 KB: updates made of row-range pieces (as split mode's buckets bring
-    them) go over in many flushes, the embedding in row blocks, and land bitwise; the second sync
-    reuses the flush plans with new values."""
-    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # to read vLLM's parameters back
-    args = ARCHS["llama"]
-    vllm = VLLMEngine(args, SamplingParams(max_new_tokens=4), eos_ids=[EOS], seed=0, dtype=torch.float32,
-                      device="cpu", kv_cache_gb=1, max_seq_len=64, staging_mb=0.01)
-    for seed in (1, 2):
-        model = _model(args, seed=seed)
-        pieces = []
-        for name, p in model.named_parameters():
-            half = (p.shape[0] + 1) // 2
-            pieces.append([(name, (slice(0, half),), p.detach()[:half]), (name, (slice(half, None),), p.detach()[half:])])
-        vllm.update_weights(pieces, version=seed)
-        held = vllm.llm.collective_rpc(
-            lambda worker: {n: p.detach().clone() for n, p in worker.model_runner.get_model().model.named_parameters()}
-        )[0]
-        for name, p in model.named_parameters():
-            assert torch.equal(held[name], p.detach()), name
-    assert len(vllm._plans) > 3
     vllm.close()
 
 

@@ -3,14 +3,16 @@
 The rank owns the buffer and writes each weight piece into it; the worker maps the same memory once
 (`open_staging`) and copies from it into the model's parameters. On CUDA the buffer is device
 memory shared by a CUDA IPC handle, so weights go GPU -> GPU and never touch host memory; on the
-CPU it is a POSIX shared-memory block. Only the handle (a few hundred bytes) and, per flush, the
-list of pieces cross vLLM's RPC channel.
+CPU it is a shared mapping of a file in /dev/shm (memory; the rank removes it when the engine
+closes). Only the handle (a few hundred bytes) and, the first time, each flush's layout cross
+vLLM's RPC channel.
 """
 
 from __future__ import annotations
 
+import os
 import pickle
-from multiprocessing import resource_tracker, shared_memory
+import tempfile
 
 import torch
 
@@ -18,36 +20,40 @@ import torch
 StagedPiece = tuple[str, list[list[int]], int, list[int]]
 
 
+def _shared_file_dir() -> str | None:
+    """Where the CPU buffer's file lives: /dev/shm (memory) where the system has it."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") else None
+
+
 class StagingBuffer:
     """`numel` elements of `dtype` on `device`, visible to a child process through `handle()`."""
 
     def __init__(self, numel: int, dtype: torch.dtype, device: torch.device):
         self.numel, self.dtype, self.device = numel, dtype, device
-        self._shm = None
+        self._path = None
         if device.type == "cuda":
             self.tensor = torch.empty(numel, dtype=dtype, device=device)
         else:
-            itemsize = torch.empty((), dtype=dtype).element_size()
-            self._shm = shared_memory.SharedMemory(create=True, size=numel * itemsize)
-            self.tensor = torch.frombuffer(self._shm.buf, dtype=dtype, count=numel)
+            fd, self._path = tempfile.mkstemp(prefix="tandem-staging-", dir=_shared_file_dir())
+            os.close(fd)
+            self.tensor = torch.from_file(self._path, shared=True, size=numel, dtype=dtype)
 
     def handle(self) -> bytes:
-        """What `open_staging` needs to map this buffer in another process (pickled, so that it
+        """What `OpenedStaging` needs to map this buffer in another process (pickled, so that it
         crosses vLLM's msgpack RPC as plain bytes)."""
         if self.device.type == "cuda":
             from torch.multiprocessing.reductions import reduce_tensor
 
             rebuild, args = reduce_tensor(self.tensor)
             return pickle.dumps(("cuda", rebuild, args))
-        return pickle.dumps(("cpu", self._shm.name, self.numel, self.dtype))
+        return pickle.dumps(("cpu", self._path, self.numel, self.dtype))
 
     def close(self) -> None:
         """Free the buffer (after the worker has let go of it)."""
         self.tensor = None
-        if self._shm is not None:
-            self._shm.close()
-            self._shm.unlink()
-            self._shm = None
+        if self._path is not None:
+            os.unlink(self._path)
+            self._path = None
 
 
 class OpenedStaging:
@@ -55,20 +61,12 @@ class OpenedStaging:
 
     def __init__(self, handle: bytes):
         kind, *rest = pickle.loads(handle)
-        self._shm = None
         if kind == "cuda":
             rebuild, args = rest
             self.tensor = rebuild(*args)
         else:
-            name, numel, dtype = rest
-            self._shm = shared_memory.SharedMemory(name=name)
-            # The rank created the block and unlinks it; this process must not (Python < 3.13
-            # registers every attached block with the resource tracker, which unlinks at exit).
-            resource_tracker.unregister(self._shm._name, "shared_memory")
-            self.tensor = torch.frombuffer(self._shm.buf, dtype=dtype, count=numel)
+            path, numel, dtype = rest
+            self.tensor = torch.from_file(path, shared=True, size=numel, dtype=dtype)
 
     def close(self) -> None:
         self.tensor = None
-        if self._shm is not None:
-            self._shm.close()
-            self._shm = None
