@@ -46,8 +46,6 @@ SHAPES = {
     "8b": dict(dim=4096, n_layers=36, n_heads=32, n_kv_heads=8, head_dim=128, ffn_dim=12288, tie_embeddings=False),
     "tiny": dict(dim=256, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=64, ffn_dim=512, tie_embeddings=True),
 }
-MAX_BATCH = 256
-
 
 def model_args(shape: str) -> ModelArgs:
     return ModelArgs(arch="qwen3", vocab_size=VOCAB, rope_theta=1e6, **SHAPES[shape])
@@ -82,7 +80,7 @@ def worker_bit_hashes(worker) -> dict[str, list[int]]:
     return {n: bit_hash(p.detach()) for n, p in worker.model_runner.get_model().model.named_parameters()}
 
 
-def run_native(args: ModelArgs, shape: str, batches: list[int], reps: int) -> list[dict]:
+def run_native(args: ModelArgs, batches: list[int], reps: int) -> list[dict]:
     engine = NativeEngine(args, SamplingParams(max_new_tokens=NEW), eos_ids=[], seed=0, dtype=torch.bfloat16,
                           device="cuda", max_batch_size=max(batches), max_seq_len=PROMPT + NEW)
     bucket = weights(args)
@@ -97,7 +95,7 @@ def run_native(args: ModelArgs, shape: str, batches: list[int], reps: int) -> li
     return out
 
 
-def run_tandem_vllm(args: ModelArgs, shape: str, batches: list[int], reps: int) -> list[dict]:
+def run_tandem_vllm(args: ModelArgs, batches: list[int], reps: int) -> list[dict]:
     from grpo.engine.vllm_engine import VLLMEngine
 
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # the bitwise check sends a function to the worker
@@ -128,7 +126,7 @@ def run_tandem_vllm(args: ModelArgs, shape: str, batches: list[int], reps: int) 
     return out
 
 
-def run_vllm(args: ModelArgs, shape: str, batches: list[int], reps: int) -> list[dict]:
+def run_vllm(args: ModelArgs, batches: list[int], reps: int) -> list[dict]:
     from vllm import LLM
     from vllm import SamplingParams as VLLMSampling
     from vllm.inputs import TokensPrompt
@@ -164,7 +162,7 @@ RUNNERS = {"native": run_native, "tandem_vllm": run_tandem_vllm, "vllm": run_vll
 
 def child(opts) -> None:
     args = model_args(opts.shape)
-    for record in RUNNERS[opts.engine](args, opts.shape, [int(b) for b in opts.batches.split(",")], opts.reps):
+    for record in RUNNERS[opts.engine](args, [int(b) for b in opts.batches.split(",")], opts.reps):
         print("RESULT " + json.dumps(record), flush=True)
 
 

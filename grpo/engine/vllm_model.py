@@ -20,17 +20,13 @@ import torch.nn.functional as F
 from torch import nn
 from vllm import ModelRegistry
 from vllm.compilation.decorators import support_torch_compile
+from vllm.model_executor.layers.attention import Attention
 
 from grpo.engine.vllm_staging import OpenedStaging, StagedPiece
 from model import ModelArgs, Transformer
 
 # The name the wrapper is registered under; the engine's config.json asks for it.
 ARCHITECTURE = "TandemForCausalLM"
-
-try:  # vLLM 0.26 and later
-    from vllm.model_executor.layers.attention import Attention
-except ImportError:  # vLLM before the attention layers moved
-    from vllm.attention import Attention
 
 
 # vLLM compiles forward (when its compilation mode asks for it) with the token axis dynamic, and

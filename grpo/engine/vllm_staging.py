@@ -1,7 +1,7 @@
 """A buffer both the generator rank and vLLM's worker process see: the road weights take into vLLM.
 
 The rank owns the buffer and writes each weight piece into it; the worker maps the same memory once
-(`open_staging`) and copies from it into the model's parameters. On CUDA the buffer is device
+(`OpenedStaging`) and copies from it into the model's parameters. On CUDA the buffer is device
 memory shared by a CUDA IPC handle, so weights go GPU -> GPU and never touch host memory; on the
 CPU it is a shared mapping of a file in /dev/shm (memory; the rank removes it when the engine
 closes). Only the handle (a few hundred bytes) and, the first time, each flush's layout cross
