@@ -59,7 +59,8 @@ def _engines(args: ModelArgs, sp: SamplingParams, staging_mb: float | None = Non
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_vllm_logprobs_equal_our_forward_and_hf(arch, tmp_path):
     """Every sampled token's log-prob inside vLLM equals log softmax of our model's full forward and
-    of transformers' (fp32, 1e-5), and greedy completions equal the native engine's."""
+    of transformers' (fp32: 2e-5 + 1e-5 relative, the spread of three matmul libraries' rounding),
+    and greedy completions equal the native engine's."""
     from transformers import AutoModelForCausalLM
 
     from model.hf import to_hf
@@ -79,7 +80,7 @@ def test_vllm_logprobs_equal_our_forward_and_hf(arch, tmp_path):
             targets = ids[0, n:]
             for logits in (model(ids), hf(ids).logits):
                 want = torch.log_softmax(logits[0, n - 1 : -1].float(), -1).gather(-1, targets[:, None])[:, 0]
-                torch.testing.assert_close(torch.tensor(c.logprobs), want, atol=1e-5, rtol=0)
+                torch.testing.assert_close(torch.tensor(c.logprobs), want, atol=2e-5, rtol=1e-5)
     greedy = SamplingParams(max_new_tokens=10, temperature=0.0)
     for ours, theirs in zip(vllm.generate(_requests(args), greedy), native.generate(_requests(args), greedy)):
         assert ours.tokens == theirs.tokens and ours.finish_reason == theirs.finish_reason
