@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from grpo.checkpoint import CheckpointMismatch, find_resume
+from grpo.train.checkpoint import CheckpointMismatch, find_resume
 from grpo.config import Config, ConfigError, load_config, write_resolved_config
-from grpo.faults import (
+from grpo.distributed.faults import (
     CollectiveTimeout,
     GracefulStop,
     PeerLost,
@@ -33,12 +33,12 @@ from grpo.faults import (
     peer_lost,
     restart_count,
 )
-from grpo.lock import OutputLock, refusal
-from grpo.loop import Run, RunAborted, TrainingDiverged, reduce
-from grpo.roles import build_roles
-from grpo.schedule import run_loop
-from grpo.scorer import Scorer
-from grpo.tasks import DataError
+from grpo.distributed.lock import OutputLock, refusal
+from grpo.run.rank import Run, RunAborted, TrainingDiverged, reduce
+from grpo.distributed.roles import build_roles
+from grpo.run.loop import run_loop
+from grpo.scoring.scorer import Scorer
+from grpo.data.sources import DataError
 from model import CheckpointError, UnsupportedModelError, batch_invariant
 from rewards import RewardError
 

@@ -28,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.generate import commit  # noqa: E402
 from grpo.config import GRPOConfig, OptimizerConfig  # noqa: E402
 from grpo.engine import GenerationRequest, NativeEngine, SamplingParams  # noqa: E402
-from grpo.rollout import episodes_from_completions  # noqa: E402
-from grpo.trainer import Trainer  # noqa: E402
+from grpo.rollout.generate import episodes_from_completions  # noqa: E402
+from grpo.train.trainer import Trainer  # noqa: E402
 from model import ModelArgs, Transformer, batch_invariant  # noqa: E402
 
 

@@ -4,7 +4,7 @@
 
 The model is Qwen3-0.6B-shaped with random weights: fp32 masters sharded by FSDP2 over every rank
 of the launch, with AdamW state (two fp32 moments), about 12 bytes per parameter. tandem's path is
-grpo.checkpoint.save_checkpoint / load_checkpoint (DCP: each rank writes and reads its own shards,
+grpo.train.checkpoint.save_checkpoint / load_checkpoint (DCP: each rank writes and reads its own shards,
 written to a temporary folder and renamed). Baseline: the full model and optimizer state gathered
 to the first rank and written with torch.save to one file, then read back. Also times the HF
 export. Checks that a load restores every parameter bitwise. Prints one JSON line.
@@ -28,9 +28,9 @@ from torch.distributed.tensor import DTensor
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.weight_sync import QWEN3_0_6B, timed  # noqa: E402
-from grpo.checkpoint import export_hf, load_checkpoint, save_checkpoint  # noqa: E402
+from grpo.train.checkpoint import export_hf, load_checkpoint, save_checkpoint  # noqa: E402
 from grpo.config import GRPOConfig, OptimizerConfig  # noqa: E402
-from grpo.trainer import Trainer  # noqa: E402
+from grpo.train.trainer import Trainer  # noqa: E402
 from model import ModelArgs, Transformer  # noqa: E402
 
 

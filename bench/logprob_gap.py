@@ -43,10 +43,10 @@ import model.model as native  # noqa: E402
 from model import batch_invariant  # noqa: E402
 from bench.generate import commit  # noqa: E402
 from grpo.config import GRPOConfig, OptimizerConfig  # noqa: E402
-from grpo.tokenizer import load_hf_tokenizer  # noqa: E402
+from grpo.data.tokenizer import load_hf_tokenizer  # noqa: E402
 from grpo.engine import GenerationRequest, NativeEngine, SamplingParams  # noqa: E402
-from grpo.rollout import episodes_from_completions  # noqa: E402
-from grpo.trainer import Trainer  # noqa: E402
+from grpo.rollout.generate import episodes_from_completions  # noqa: E402
+from grpo.train.trainer import Trainer  # noqa: E402
 from model import ModelArgs  # noqa: E402
 from model.hf import from_hf  # noqa: E402
 from tests.hf_fixtures import FIXTURE  # noqa: E402

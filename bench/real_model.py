@@ -69,7 +69,7 @@ def trl_peer(opts, use_vllm: bool = False) -> dict:
 
     import rewards
     from grpo.config import load_config
-    from grpo.tasks import GymTask
+    from grpo.data.sources import GymTask
 
     cfg = load_config(["--config", str(config_path(opts)), f"--model.path={opts.model}", f"--training.steps={opts.steps}"],
                       world_size=1)

@@ -41,8 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.generate import SHAPES, VOCAB, commit, model_args  # noqa: E402
 from model import batch_invariant  # noqa: E402
 from grpo.config import GRPOConfig, OptimizerConfig  # noqa: E402
-from grpo.episode import EpisodeBatch  # noqa: E402
-from grpo.trainer import Trainer  # noqa: E402
+from grpo.rollout.episode import EpisodeBatch  # noqa: E402
+from grpo.train.trainer import Trainer  # noqa: E402
 from model import ModelArgs, Transformer  # noqa: E402
 
 CONFIGS = {

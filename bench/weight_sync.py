@@ -4,7 +4,7 @@
     torchrun --nproc_per_node=3 bench/weight_sync.py --generators 1   # 1 generator + 2 trainers
 
 The model is Qwen3-0.6B-shaped with random weights (fp32 masters sharded by FSDP2 on the trainer
-ranks, a bf16 engine on the generator ranks). In-memory: grpo.weight_sync.WeightSync, bucketed
+ranks, a bf16 engine on the generator ranks). In-memory: grpo.distributed.weight_sync.WeightSync, bucketed
 broadcasts over NCCL. Baseline: the trainers gather the bf16 weights, the first writes them as
 safetensors, the generators read them back and copy them into the engine. Prints one JSON line.
 """
@@ -27,8 +27,8 @@ from safetensors.torch import load_file, save_file
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from grpo.engine import NativeEngine, SamplingParams  # noqa: E402
-from grpo.roles import build_roles  # noqa: E402
-from grpo.weight_sync import WeightSync  # noqa: E402
+from grpo.distributed.roles import build_roles  # noqa: E402
+from grpo.distributed.weight_sync import WeightSync  # noqa: E402
 from model import ModelArgs, Transformer  # noqa: E402
 from model.parallelize import parallelize  # noqa: E402
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from grpo.episode import EpisodeBatch
+from grpo.rollout.episode import EpisodeBatch
 
 
 def hand_made_batch(

@@ -21,8 +21,8 @@ import torch.multiprocessing as mp
 
 # Imported once by the fork server, so that each rank starts with them already loaded.
 _PRELOAD = [
-    "torch", "torch.distributed.tensor", "torch.distributed.fsdp", "model", "model.parallelize", "grpo.roles",
-    "grpo.weight_sync", "grpo.transport", "grpo.trainer", "grpo.engine", "grpo.rollout", __name__,
+    "torch", "torch.distributed.tensor", "torch.distributed.fsdp", "model", "model.parallelize", "grpo.distributed.roles",
+    "grpo.distributed.weight_sync", "grpo.rollout.transport", "grpo.train.trainer", "grpo.engine", "grpo.rollout.generate", __name__,
 ]
 
 

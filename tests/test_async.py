@@ -39,10 +39,10 @@ def test_truncated_importance_sampling_is_on_by_default_in_async_only():
 def _swap_worker(rank: int, world_size: int, lag: int, steps: int, out: str) -> dict:
     """Drive the async schedule step by step on 1 generator + 1 trainer; record, after each weight
     swap, the generator's weights or the trainer's masters, and the versions of the batches in flight."""
-    from grpo.loop import Run
-    from grpo.pipeline import AsyncSchedule
-    from grpo.roles import build_roles
-    from grpo.scorer import Scorer
+    from grpo.run.rank import Run
+    from grpo.run.async_step import AsyncSchedule
+    from grpo.distributed.roles import build_roles
+    from grpo.scoring.scorer import Scorer
 
     cfg = load_config([*SHORT, *ASYNC, f"--training.max_staleness={lag}", f"--training.steps={steps}",
                        f"--job.output_dir={out}"], world_size=world_size)

@@ -15,8 +15,8 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from grpo.config import GRPOConfig, OptimizerConfig
 from grpo.engine import GenerationRequest, NativeEngine, SamplingParams
-from grpo.rollout import episodes_from_completions
-from grpo.trainer import Trainer
+from grpo.rollout.generate import episodes_from_completions
+from grpo.train.trainer import Trainer
 from model import ModelArgs, Transformer, batch_invariant
 from model.batch_invariant import BLOCK, causal_attention
 from tests.dist_utils import one_thread, single_process_group

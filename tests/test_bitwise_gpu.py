@@ -21,8 +21,8 @@ import torch.nn.functional as F
 
 from grpo.config import GRPOConfig, OptimizerConfig
 from grpo.engine import GenerationRequest, NativeEngine, SamplingParams
-from grpo.rollout import episodes_from_completions
-from grpo.trainer import Trainer
+from grpo.rollout.generate import episodes_from_completions
+from grpo.train.trainer import Trainer
 from model import ModelArgs, Transformer, batch_invariant
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (Triton kernels)")

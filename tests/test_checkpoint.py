@@ -1,4 +1,4 @@
-"""grpo/checkpoint.py: DCP save/load across trainer counts, finding what to resume, shape checks,
+"""grpo/train/checkpoint.py: DCP save/load across trainer counts, finding what to resume, shape checks,
 start-up checks, and HF exports that transformers loads with the trained policy's logits."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from grpo.checkpoint import (
+from grpo.train.checkpoint import (
     CheckpointMismatch,
     check_matches,
     checkpoint_root,
@@ -24,8 +24,8 @@ from grpo.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from grpo.faults import StartupError, check_free_disk, check_output_dir
-from grpo.trainer import Trainer
+from grpo.distributed.faults import StartupError, check_free_disk, check_output_dir
+from grpo.train.trainer import Trainer
 from model import Transformer
 from tests.dist_utils import one_thread, run_ranks
 from tests.test_e2e import launch
@@ -197,8 +197,8 @@ def test_exported_hf_folder_gives_the_trained_policy_logits(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from grpo.config import load_config
-    from grpo.data import CharTokenizer
-    from grpo.loop import builtin_model_args
+    from grpo.data.digits import CharTokenizer
+    from grpo.run.rank import builtin_model_args
 
     args = ["--parallelism.mode=colocated", "--training.steps=2", "--data.prompts_per_step=4", "--grpo.group_size=4",
             "--eval.num_prompts=4", "--rewards.num_workers=0", f"--job.output_dir={tmp_path}"]

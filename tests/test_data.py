@@ -7,7 +7,7 @@ import random
 import pytest
 
 from grpo.config import Config
-from grpo.data import CharTokenizer, DigitTask
+from grpo.data.digits import CharTokenizer, DigitTask
 from rewards import digit_match
 
 

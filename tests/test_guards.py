@@ -1,4 +1,4 @@
-"""Guard rails: the trainer skips non-finite updates on every rank alike (grpo/trainer.py), and the
+"""Guard rails: the trainer skips non-finite updates on every rank alike (grpo/train/trainer.py), and the
 engine halves its batch when it runs out of memory (grpo/engine/native.py).
 
 Faults are injected from outside the code under test: a gradient hook that turns the policy's
@@ -18,12 +18,12 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-import grpo.trainer
+import grpo.train.trainer
 from grpo.config import GRPOConfig, OptimizerConfig
 from grpo.engine import GenerationOutOfMemory, GenerationRequest, NativeEngine, SamplingParams
-from grpo.episode import EpisodeBatch
-from grpo.loss import policy_loss
-from grpo.trainer import Trainer
+from grpo.rollout.episode import EpisodeBatch
+from grpo.train.loss import policy_loss
+from grpo.train.trainer import Trainer
 from model import Transformer
 from tests.batches import hand_made_batch
 from tests.dist_utils import one_thread, run_ranks, single_process_group
@@ -135,7 +135,7 @@ def _one_rank_nan_loss_worker(rank: int, world: int) -> dict:
     local = groups_of(make_batch(), [[0, 1], [2, 3]][rank])
     trainer.train(local)
     before = snapshot(trainer)
-    with mock.patch("grpo.trainer.policy_loss", poisoned_loss(float("nan"), active=lambda: rank == 1)):
+    with mock.patch("grpo.train.trainer.policy_loss", poisoned_loss(float("nan"), active=lambda: rank == 1)):
         metrics = trainer.train(local)
     return dict(skipped=metrics["train/skipped_updates"], reason=trainer.last_skip_reason,
                 unchanged=bitwise_equal(snapshot(trainer), before), grad_norm=metrics["loss/grad_norm"])
@@ -170,7 +170,7 @@ def test_only_the_faulty_minibatch_is_skipped(monkeypatch):
 
         trainer._update = counted_update
         # the fault once the first update is done: in the second minibatch only
-        monkeypatch.setattr(grpo.trainer, "policy_loss", poisoned_loss(float("inf"), active=lambda: len(updates_begun) == 1))
+        monkeypatch.setattr(grpo.train.trainer, "policy_loss", poisoned_loss(float("inf"), active=lambda: len(updates_begun) == 1))
         metrics = trainer.train(batch)
 
     assert len(updates_begun) == 2

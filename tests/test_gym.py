@@ -1,4 +1,4 @@
-"""reasoning-gym as a prompt source and a reward (grpo/gym.py, rewards.reasoning_gym): problems
+"""reasoning-gym as a prompt source and a reward (grpo/data/gym.py, rewards.reasoning_gym): problems
 from reasoning-gym itself, deterministic by seed, held out from a seed of their own; config keys
 checked against the dataset's config class; rewards from the dataset's own score_answer."""
 
@@ -11,8 +11,8 @@ import pytest
 
 import rewards
 from grpo.config import ConfigError, load_config
-from grpo.gym import HELD_OUT_SEED_OFFSET, check_gym_config, gym_records
-from grpo.tasks import GymTask
+from grpo.data.gym import HELD_OUT_SEED_OFFSET, check_gym_config, gym_records
+from grpo.data.sources import GymTask
 
 reasoning_gym = pytest.importorskip("reasoning_gym")
 

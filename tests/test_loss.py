@@ -1,4 +1,4 @@
-"""GRPO loss family (grpo/loss.py) and group advantages (grpo/episode.py) against hand-derived numbers
+"""GRPO loss family (grpo/train/loss.py) and group advantages (grpo/rollout/episode.py) against hand-derived numbers
 and explicit per-token loops in plain Python floats."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from grpo.episode import ADVANTAGE_STD_EPS, group_advantages
-from grpo.loss import clipped_surrogate, token_sum
+from grpo.rollout.episode import ADVANTAGE_STD_EPS, group_advantages
+from grpo.train.loss import clipped_surrogate, token_sum
 
 # ------------------------------------------------------------------------------------ group advantages
 

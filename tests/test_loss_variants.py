@@ -1,4 +1,4 @@
-"""The loss family (grpo/loss.py policy_loss) and the advantage options (grpo/episode.py) against
+"""The loss family (grpo/train/loss.py policy_loss) and the advantage options (grpo/rollout/episode.py) against
 explicit formulas: Python loops over sequences and tokens built from scalar torch ops, so autograd
 on the loop gives the formula's gradient, plus hand numbers."""
 
@@ -10,14 +10,14 @@ from dataclasses import replace
 import pytest
 import torch
 
-from grpo.episode import (
+from grpo.rollout.episode import (
     ADVANTAGE_STD_EPS,
     compute_advantages,
     group_advantages,
     overlong_penalty,
     zero_variance_groups,
 )
-from grpo.loss import LOSS_TYPES, LossSettings, Normalizers, policy_loss
+from grpo.train.loss import LOSS_TYPES, LossSettings, Normalizers, policy_loss
 
 # ------------------------------------------------------------------------------------ the loop formula
 

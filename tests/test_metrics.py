@@ -1,5 +1,5 @@
-"""grpo/metrics.py (cross-rank reductions, metrics.jsonl / samples.jsonl with resume, TensorBoard,
-W&B, the console) and grpo/flops.py (FLOPs per token, device peaks, MFU).
+"""grpo/observe/metrics.py (cross-rank reductions, metrics.jsonl / samples.jsonl with resume, TensorBoard,
+W&B, the console) and grpo/observe/flops.py (FLOPs per token, device peaks, MFU).
 
 Expected values are written out by hand; TensorBoard output is read back with TensorBoard's own
 event reader; the FLOP count checks its parameter part against a real model's named_parameters.
@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpo import metrics as metrics_module
+from grpo.observe import metrics as metrics_module
 from grpo.config import MetricsConfig
-from grpo.flops import flops_per_token, mfu, peak_flops
-from grpo.metrics import MetricsBackendError, MetricsLogger, reduce_across, reduction_of
+from grpo.observe.flops import flops_per_token, mfu, peak_flops
+from grpo.observe.metrics import MetricsBackendError, MetricsLogger, reduce_across, reduction_of
 from model import ModelArgs, Transformer
 from tests.dist_utils import run_ranks
 

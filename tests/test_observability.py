@@ -7,7 +7,7 @@ import json
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from grpo.report import build_figure, read_records
+from grpo.observe.report import build_figure, read_records
 from tests.test_e2e import SHORT, launch, metrics
 
 GROUP = 4  # SHORT's grpo.group_size

@@ -1,4 +1,4 @@
-"""grpo/report.py: the PNG and text summary of a run's metrics.jsonl, and the command line's
+"""grpo/observe/report.py: the PNG and text summary of a run's metrics.jsonl, and the command line's
 answers for a run folder with nothing to report."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from grpo.report import build_figure, main, read_records, render_report, summary
+from grpo.observe.report import build_figure, main, read_records, render_report, summary
 
 REPO = Path(__file__).resolve().parent.parent
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -96,7 +96,7 @@ def test_command_line_nothing_to_report(tmp_path, case):
     if case == "torn line only":
         (run_dir / "metrics.jsonl").write_text('{"step": 1, "rew')
     result = subprocess.run(
-        [sys.executable, "-m", "grpo.report", str(run_dir)], cwd=REPO, capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "grpo.observe.report", str(run_dir)], cwd=REPO, capture_output=True, text=True, timeout=60
     )
     expected = f"no run folder at {run_dir}" if case == "missing folder" else f"no steps logged yet in {run_dir}/metrics.jsonl"
     assert (result.returncode, result.stderr, result.stdout) == (1, expected + "\n", "")

@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 
 from grpo.config import ConfigError, load_config
-from grpo.datasets import PromptDataset
-from grpo.faults import StartupError, check_output_dir
-from grpo.metrics import _Console
+from grpo.data.files import PromptDataset
+from grpo.distributed.faults import StartupError, check_output_dir
+from grpo.observe.metrics import _Console
 from tests.hf_fixtures import build_checkpoint
 from tests.test_e2e import REPO, command, launch, launch_env
 from tests.test_resume import finish, start, wait_for_step, worker_pids

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from grpo.scorer import Scorer
+from grpo.scoring.scorer import Scorer
 from rewards import RewardError, load_reward, digit_match
 
 FIXTURES = "tests.fixtures.slow_rewards"

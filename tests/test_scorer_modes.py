@@ -5,7 +5,7 @@ import re
 import pytest
 import torch
 
-from grpo.scorer import Scorer
+from grpo.scoring.scorer import Scorer
 from rewards import RewardError, batched
 
 FIXTURES = "tests.fixtures.slow_rewards"

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import rewards
-from grpo.gym import gym_records
+from grpo.data.gym import gym_records
 from model import from_hf
 from tests.test_e2e import REPO, launch, metrics
 

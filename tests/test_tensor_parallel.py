@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from grpo.engine import GenerationRequest, NativeEngine, SamplingParams
-from grpo.weight_sync import _slices, shard_box
+from grpo.distributed.weight_sync import _slices, shard_box
 from model import ModelArgs, Transformer
 from model.parallelize import (
     tensor_parallel_args,
@@ -116,8 +116,8 @@ def _offset(shape, version: int) -> torch.Tensor:
 def _tp_sync_worker(rank: int, world_size: int, generators: int, shape: str) -> dict:
     from torch.distributed.tensor import DTensor
 
-    from grpo.roles import build_roles
-    from grpo.weight_sync import WeightSync
+    from grpo.distributed.roles import build_roles
+    from grpo.distributed.weight_sync import WeightSync
     from model.parallelize import parallelize
 
     args, tp, cpu = SYNC_SHAPES[shape], 2, torch.device("cpu")

@@ -1,4 +1,4 @@
-"""Packing, LR schedule and the GRPO update (grpo/packing.py, grpo/trainer.py).
+"""Packing, LR schedule and the GRPO update (grpo/train/packing.py, grpo/train/trainer.py).
 
 The update is checked against a reference written here from the definition, independent of the
 trainer: one plain full forward per sequence (`model(tokens)`, no packing), log softmax(logits / T)
@@ -23,9 +23,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from grpo.config import GRPOConfig, OptimizerConfig
-from grpo.episode import EpisodeBatch
-from grpo.packing import pack_episodes, plan_micro_batches
-from grpo.trainer import Trainer, lr_factor
+from grpo.rollout.episode import EpisodeBatch
+from grpo.train.packing import pack_episodes, plan_micro_batches
+from grpo.train.trainer import Trainer, lr_factor
 from model import ModelArgs, Transformer
 from tests.batches import hand_made_batch
 from tests.dist_utils import abandon_group, one_thread, run_ranks, single_process_group
@@ -177,7 +177,7 @@ DIST_SCENARIOS = {
     "clip": dict(optim=dict(max_grad_norm=MAX_NORM), grpo=dict(), split=UNEVEN),
     "iters2_even": dict(optim=dict(), grpo=dict(num_iterations=2), split=EVEN),
     # two minibatches of whole groups, the ranks holding contiguous halves (split mode assigns groups to
-    # trainer ranks by token load, grpo/transport.py assign_groups, so any assignment can occur)
+    # trainer ranks by token load, grpo/rollout/transport.py assign_groups, so any assignment can occur)
     "minibatches2": dict(optim=dict(), grpo=dict(minibatches=2), split=EVEN),
     # last, on a group with a short collective timeout: mismatched collectives fail instead of hanging,
     # which may leave the process group unusable

@@ -16,8 +16,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from grpo.config import GRPOConfig, OptimizerConfig
-from grpo.episode import EpisodeBatch
-from grpo.trainer import Trainer
+from grpo.rollout.episode import EpisodeBatch
+from grpo.train.trainer import Trainer
 from model import ModelArgs, Transformer
 from model.attention import packed_attention, sequence_layout
 from model.parallelize import compile_blocks

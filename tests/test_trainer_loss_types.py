@@ -1,4 +1,4 @@
-"""Trainer.train is split-invariant for every token/sequence-normalised loss type (grpo/trainer.py).
+"""Trainer.train is split-invariant for every token/sequence-normalised loss type (grpo/train/trainer.py).
 
 For loss_type in grpo, dapo, dr_grpo and gspo, a fixed batch is trained (fp32) as
   (a) the whole batch in one micro-batch, one process (1-rank gloo mesh),
@@ -14,7 +14,7 @@ gspo also with a tight sequence clip (0.05) that zeroes one update's gradient en
 The optimizer is AdamW with betas (0, 0), eps = 1 and no weight decay, warmup or gradient clipping:
 the update is lr * g / (|g| + 1), close to linear in g, so a gradient error shows in the weights
 (AdamW's usual first step, nearly sign(g), would hide it). bnpo is left out: its loss is defined
-per micro-batch and rank, so it is not split-invariant by design (grpo/loss.py).
+per micro-batch and rank, so it is not split-invariant by design (grpo/train/loss.py).
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from grpo.config import GRPOConfig, OptimizerConfig
-from grpo.episode import EpisodeBatch
-from grpo.packing import pack_episodes
-from grpo.trainer import Trainer
+from grpo.rollout.episode import EpisodeBatch
+from grpo.train.packing import pack_episodes
+from grpo.train.trainer import Trainer
 from model import ModelArgs, Transformer
 from tests.batches import hand_made_batch
 from tests.dist_utils import abandon_group, one_thread, run_ranks, single_process_group

@@ -1,5 +1,5 @@
-"""Episode transport (grpo/transport.py) and equal micro-batch counts across trainer ranks
-(grpo/trainer.py: Trainer._micro_batches / Trainer.train).
+"""Episode transport (grpo/rollout/transport.py) and equal micro-batch counts across trainer ranks
+(grpo/train/trainer.py: Trainer._micro_batches / Trainer.train).
 
 The distributed exchange runs on real gloo processes (2 generators + 2 trainers, 1 generator +
 2 trainers). Generators build their EpisodeBatches from hand-made Completions; the test process
@@ -22,11 +22,11 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from grpo.config import GRPOConfig, OptimizerConfig
 from grpo.engine import Completion, GenerationRequest
-from grpo.episode import EpisodeBatch
-from grpo.roles import build_roles
-from grpo.rollout import episodes_from_completions
-from grpo.trainer import Trainer
-from grpo.transport import assign_groups, exchange_episodes
+from grpo.rollout.episode import EpisodeBatch
+from grpo.distributed.roles import build_roles
+from grpo.rollout.generate import episodes_from_completions
+from grpo.train.trainer import Trainer
+from grpo.rollout.transport import assign_groups, exchange_episodes
 from model import ModelArgs, Transformer
 from tests.dist_utils import one_thread, run_ranks
 

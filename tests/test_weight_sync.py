@@ -1,4 +1,4 @@
-"""Trainer -> generator weight sync (grpo/weight_sync.py) and the colocated weight refresh.
+"""Trainer -> generator weight sync (grpo/distributed/weight_sync.py) and the colocated weight refresh.
 
 References are independent of the code under test: `torch.chunk` (the rule FSDP2 uses for uneven
 first dimensions) and DTensor's own local-shape/offset computation for shard boxes; element-count
@@ -23,12 +23,12 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import Replicate, Shard
 
-import grpo.weight_sync as weight_sync
+import grpo.distributed.weight_sync as weight_sync
 from grpo.config import GRPOConfig, OptimizerConfig
 from grpo.engine import NativeEngine, SamplingParams
-from grpo.roles import build_roles
-from grpo.trainer import Trainer
-from grpo.weight_sync import WeightSync, intersect, plan_buckets, shard_box
+from grpo.distributed.roles import build_roles
+from grpo.train.trainer import Trainer
+from grpo.distributed.weight_sync import WeightSync, intersect, plan_buckets, shard_box
 from model import ModelArgs, Transformer
 from model.parallelize import parallelize
 from tests.dist_utils import one_thread, run_ranks, single_process_group

@@ -16,7 +16,7 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 
 
 class HFTokenizer:
-    """A Hugging Face tokenizer with the interface of `grpo.data.CharTokenizer` on top.
+    """A Hugging Face tokenizer with the interface of `grpo.data.digits.CharTokenizer` on top.
 
     `eos_ids`: `eos_token_id` first, then the chat template's end-of-turn token (e.g. "<|im_end|>")
     when it has one; `eos_id` is the first of them; `pad_id` is `pad_token_id`, or `eos_id` when the

@@ -1,6 +1,6 @@
 """One launch's components and each role's work: what each rank builds for its role, and the pieces
 of a step (generate, deliver, score, advantages, metrics) that the schedules put in order
-(steps.py: the sync step and evaluation; pipeline.py: the async step; schedule.py: the run).
+(sync_step.py: the sync step and evaluation; async_step.py: the async step; loop.py: the run).
 
 Every rank runs the same sequence of collectives; what a rank does inside a step depends on its
 role (generator, trainer, or both when colocated).
@@ -17,28 +17,28 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from grpo.checkpoint import check_matches, checkpoint_bytes, export_hf
+from grpo.train.checkpoint import check_matches, checkpoint_bytes, export_hf
 from grpo.config import Config
-from grpo.data import CharTokenizer, DigitTask, Prompt
-from grpo.tokenizer import HFTokenizer, load_hf_tokenizer
+from grpo.data.digits import CharTokenizer, DigitTask, Prompt
+from grpo.data.tokenizer import HFTokenizer, load_hf_tokenizer
 from grpo.engine import NativeEngine, SamplingParams
 from grpo.engine.vmm import mapped_bytes
-from grpo.episode import (
+from grpo.rollout.episode import (
     EpisodeBatch,
     compute_advantages,
     overlong_penalty,
     zero_variance_groups,
 )
-from grpo.faults import check_free_disk, waiting_for
-from grpo.flops import mfu, peak_flops
-from grpo.metrics import reduce_across
-from grpo.roles import Roles
-from grpo.rollout import generate_episodes, score_episodes
-from grpo.scorer import Scorer
-from grpo.tasks import DataError, prompt_source
-from grpo.trainer import Trainer
-from grpo.transport import exchange_episodes
-from grpo.weight_sync import WeightSync
+from grpo.distributed.faults import check_free_disk, waiting_for
+from grpo.observe.flops import mfu, peak_flops
+from grpo.observe.metrics import reduce_across
+from grpo.distributed.roles import Roles
+from grpo.rollout.generate import generate_episodes, score_episodes
+from grpo.scoring.scorer import Scorer
+from grpo.data.sources import DataError, prompt_source
+from grpo.train.trainer import Trainer
+from grpo.rollout.transport import exchange_episodes
+from grpo.distributed.weight_sync import WeightSync
 from model import ModelArgs, Transformer, from_hf
 from model.parallelize import tensor_parallel_layout
 from rewards import RewardError

@@ -6,10 +6,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from grpo.engine.vllm_engine import vllm_problem
-from grpo.gym import check_gym_config, is_gym_path
-from model.args import ModelArgs
-from model.parallelize import tensor_parallel_problem
+from typing import TYPE_CHECKING
+
+from grpo.config.io import _toml_value
+from grpo.config.sections import _CHOICES, AUTO_TIS_CAP, Config, ConfigError
+from grpo.data.gym import check_gym_config, is_gym_path
+
+if TYPE_CHECKING:
+    from model.args import ModelArgs
 
 
 def validate_config(cfg: Config, world_size: int) -> None:
@@ -241,6 +245,9 @@ def _check_vllm(cfg: Config) -> None:
     g = cfg.generation
     if g.engine != "vllm":
         return
+    # Imported here, not at the top: reading a config must not load torch (scripts, SLURM front ends).
+    from grpo.engine.vllm_engine import vllm_problem
+
     device = _device_type(cfg)
     problem = vllm_problem(_model_shape(cfg).head_dim, device)
     if problem:
@@ -268,6 +275,8 @@ def _check_bitwise(cfg: Config) -> None:
 def _model_shape(cfg: Config) -> ModelArgs:
     """The head and width counts of the model the run will build: the checkpoint's, or the built-in
     shape's (whose heads split model.dim evenly)."""
+    from model.args import ModelArgs
+
     m = cfg.model
     if m.path:
         return ModelArgs.from_hf_dir(m.path)
@@ -296,6 +305,8 @@ def _check_generator_tp(cfg: Config) -> None:
         )
     if tp == 1:
         return
+    from model.parallelize import tensor_parallel_problem
+
     problem = tensor_parallel_problem(_model_shape(cfg), tp)
     if problem:
         raise ConfigError(f"parallelism.generator_tp = {tp} {problem} of the model")
@@ -317,8 +328,3 @@ def _require_multiple(prompts: int, divisor: int, divisor_desc: str, why: str) -
         f"set --data.prompts_per_step to a multiple of {divisor}, e.g. {examples}",
     )
 
-
-# Last, and with postponed annotations, so that this module's names already exist when
-# grpo.config re-exports them from its own bottom: either module may be imported first.
-from grpo.config import _CHOICES, AUTO_TIS_CAP, Config, ConfigError
-from grpo.config_io import _toml_value

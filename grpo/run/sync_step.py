@@ -1,5 +1,5 @@
 """The sync schedule's step and the held-out evaluation, each top-down: what generator and trainer
-ranks do, in the order they meet (the async step is in pipeline.py)."""
+ranks do, in the order they meet (the async step is in async_step.py)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import time
 
 import torch.distributed as dist
 
-from grpo.episode import concat_episodes
-from grpo.loop import Run, reduce
+from grpo.rollout.episode import concat_episodes
+from grpo.run.rank import Run, reduce
 
 
 def evaluate(job: Run) -> dict[str, float]:

@@ -1,6 +1,6 @@
 """The prompt sources of a run on an HF checkpoint: prompt files (`FileTask`) and reasoning-gym
 datasets (`GymTask`), both rendered with the checkpoint's tokenizer. (The built-in digit tasks are
-in data.py.)"""
+in digits.py.)"""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import dataclasses
 from typing import Any
 
 from grpo.config import Config
-from grpo.data import Prompt
-from grpo.datasets import PromptDataset
-from grpo.tokenizer import HFTokenizer
-from grpo.gym import HELD_OUT_SEED_OFFSET, PREFIX, gym_records, is_gym_path
+from grpo.data.digits import Prompt
+from grpo.data.files import PromptDataset
+from grpo.data.tokenizer import HFTokenizer
+from grpo.data.gym import HELD_OUT_SEED_OFFSET, PREFIX, gym_records, is_gym_path
 
 
 class DataError(ValueError):

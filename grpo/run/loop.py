@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from grpo.checkpoint import (
+from grpo.train.checkpoint import (
     CheckpointMismatch,
     checkpoint_root,
     load_checkpoint,
@@ -19,12 +19,12 @@ from grpo.checkpoint import (
     save_checkpoint,
 )
 from grpo.config import Config
-from grpo.faults import GracefulStop, restart_count
-from grpo.loop import Run, TrainingDiverged, reduce
-from grpo.metrics import MetricsLogger
-from grpo.pipeline import AsyncSchedule
-from grpo.report import render_report
-from grpo.steps import evaluate, sync_step
+from grpo.distributed.faults import GracefulStop, restart_count
+from grpo.run.rank import Run, TrainingDiverged, reduce
+from grpo.observe.metrics import MetricsLogger
+from grpo.run.async_step import AsyncSchedule
+from grpo.observe.report import render_report
+from grpo.run.sync_step import evaluate, sync_step
 
 
 def run_loop(cfg: Config, job: Run, resume: Path | None = None, stop: GracefulStop | None = None) -> None:
@@ -121,7 +121,7 @@ def run_loop(cfg: Config, job: Run, resume: Path | None = None, stop: GracefulSt
             f"{len(job.task.eval_prompts)} prompts); metrics: {logger.path}",
             flush=True,
         )
-        print(f"report: {render_report(cfg.job.output_dir)} (python -m grpo.report {cfg.job.output_dir})", flush=True)
+        print(f"report: {render_report(cfg.job.output_dir)} (python -m grpo.observe.report {cfg.job.output_dir})", flush=True)
 
 
 def _every(period: int, step: int) -> bool:

@@ -82,7 +82,7 @@ def reduction_of(key: str) -> str:
     prefix = key.split("/", 1)[0] + "/"
     if "/" in key and prefix in REDUCTIONS:
         return REDUCTIONS[prefix]
-    raise KeyError(f"metric {key!r} has no cross-rank reduction: add it or its prefix to grpo.metrics.REDUCTIONS")
+    raise KeyError(f"metric {key!r} has no cross-rank reduction: add it or its prefix to grpo.observe.metrics.REDUCTIONS")
 
 
 def reduce_across(

@@ -1,6 +1,6 @@
 """Prompt datasets from files: JSONL/Parquet records, chat-template rendering, and a seeded,
-epoch-shuffled `PromptDataset` of `grpo.data.Prompt`s with a held-out split (the tokenizer is in
-grpo/tokenizer.py).
+epoch-shuffled `PromptDataset` of `grpo.data.digits.Prompt`s with a held-out split (the tokenizer is in
+grpo/data/tokenizer.py).
 
 Everything here runs offline. pyarrow is imported only when a Parquet file is read.
 """
@@ -13,8 +13,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from grpo.data import Prompt
-from grpo.tokenizer import HFTokenizer
+from grpo.data.digits import Prompt
+from grpo.data.tokenizer import HFTokenizer
 
 SUPPORTED_EXTENSIONS = (".jsonl", ".parquet")
 # ---------------------------------------------------------------------------------------------------

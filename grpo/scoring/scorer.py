@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from grpo.reward_pool import Outcome, PoolError, WorkerPool
+from grpo.scoring.pool import Outcome, PoolError, WorkerPool
 from rewards import RewardError, _clip, load_reward, reward_name, score_chunk
 
 ON_ERROR_MODES = ("stop", "zero")
@@ -44,7 +44,7 @@ class Scorer:
     chunk's worker is killed, and a new pool serves the next call). A chunk whose worker dies
     (a crash in native code, a kill from outside) fails the same way, its message naming the exit
     status. Workers ignore SIGTERM: a running call is finished, not lost, when the job is being
-    stopped (grpo/reward_pool.py). ``ScoredRewards.errors`` counts the zeroed
+    stopped (grpo/scoring/pool.py). ``ScoredRewards.errors`` counts the zeroed
     episodes per function, and each ``score`` call prints one warning line to stderr per function
     that had any. Configuration errors (a spec that does not load, a batched result of the wrong
     length) always raise.
@@ -186,7 +186,7 @@ class Scorer:
 
     def close(self) -> None:
         """Stop the workers: idle ones exit on the end-of-work message, busy ones are killed
-        (grpo/reward_pool.py)."""
+        (grpo/scoring/pool.py)."""
         if self._pool is not None:
             self._pool.close()
             self._pool = None

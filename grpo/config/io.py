@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import sys
 import typing
 from pathlib import Path
 from typing import Any
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:
-    import tomli as tomllib
+import tomllib
+
+from grpo.config.sections import _ALL_KEYS, _SECTIONS, _TYPES, DEFAULT_CONFIG_PATH, Config, ConfigError
 
 
 def _parse_argv(argv: list[str]) -> tuple[Path, list[tuple[str, str, str]]]:
@@ -86,7 +84,7 @@ def _parse_cli_value(text: str, typ: Any) -> Any:
     except tomllib.TOMLDecodeError:
         return text
     # A string key keeps its text verbatim even when it happens to read as TOML (a path named 2024, "inf").
-    if set(doc) != {"v"} or (typ is str and not isinstance(doc["v"], str)):
+    if set(doc) != {"v"} or (_is_text(typ) and not isinstance(doc["v"], str)):
         return text
     return doc["v"]
 
@@ -108,11 +106,18 @@ def _coerce(key: str, value: Any, typ: Any) -> Any:
             )
     elif _is_a(value, typ):
         return float(value) if typ is float else value
-    type_name = typ if typing.get_origin(typ) else typ.__name__
+    type_name = "str" if _is_text(typ) else typ if typing.get_origin(typ) else typ.__name__
     raise ConfigError(f"config key '{key}' expects {type_name}, got {type(value).__name__} ({value!r})")
 
 
-def _is_a(value: Any, typ: type) -> bool:
+def _is_text(typ: Any) -> bool:
+    """str, or a Literal of words (whose value validate_config checks against the words)."""
+    return typ is str or typing.get_origin(typ) is typing.Literal
+
+
+def _is_a(value: Any, typ: Any) -> bool:
+    if _is_text(typ):
+        return isinstance(value, str)
     # bool is an int subclass, but `steps = true` is a mistake, not 1
     if isinstance(value, bool):
         return typ is bool
@@ -166,14 +171,3 @@ def _toml_char(c: str) -> str:
         return f"\\u{ord(c):04x}"
     return c
 
-
-# Last, and with postponed annotations, so that this module's names already exist when
-# grpo.config re-exports them from its own bottom: either module may be imported first.
-from grpo.config import (
-    _ALL_KEYS,
-    _SECTIONS,
-    _TYPES,
-    DEFAULT_CONFIG_PATH,
-    Config,
-    ConfigError,
-)

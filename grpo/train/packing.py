@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from grpo.episode import EpisodeBatch
+from grpo.rollout.episode import EpisodeBatch
 
 
 @dataclass

@@ -33,9 +33,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
-from grpo.episode import EpisodeBatch
-from grpo.faults import restart_count
-from grpo.trainer import Trainer
+from grpo.rollout.episode import EpisodeBatch
+from grpo.distributed.faults import restart_count
+from grpo.train.trainer import Trainer
 from model import ModelArgs
 from model.hf import save_hf
 

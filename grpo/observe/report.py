@@ -1,6 +1,6 @@
 """A run's metrics as one PNG plus a short text summary.
 
-    python -m grpo.report RUN_DIR [--out PNG]      (default: RUN_DIR/report.png)
+    python -m grpo.observe.report RUN_DIR [--out PNG]      (default: RUN_DIR/report.png)
 
 Reads RUN_DIR/metrics.jsonl, also while the run is still writing it: a line that does not parse
 (the one being written, or torn by a crash) is skipped. Panels whose metrics the run does not
@@ -174,7 +174,7 @@ def render_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m grpo.report", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m grpo.observe.report", description=__doc__.splitlines()[0])
     parser.add_argument("run_dir", help="a run's job.output_dir (holding metrics.jsonl)")
     parser.add_argument("--out", help="PNG to write (default: RUN_DIR/report.png)")
     args = parser.parse_args(argv)

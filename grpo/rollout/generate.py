@@ -7,10 +7,10 @@ from collections.abc import Callable
 
 import torch
 
-from grpo.data import Prompt
+from grpo.data.digits import Prompt
 from grpo.engine import Completion, GenerationRequest, NativeEngine, SamplingParams
-from grpo.episode import EpisodeBatch
-from grpo.scorer import Scorer
+from grpo.rollout.episode import EpisodeBatch
+from grpo.scoring.scorer import Scorer
 
 
 def generate_requests(prompts: list[Prompt], group_size: int, step: int) -> list[GenerationRequest]:

@@ -24,9 +24,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from grpo.config import GRPOConfig, OptimizerConfig
-from grpo.episode import EpisodeBatch
-from grpo.loss import SUMMED_STATS, LossSettings, Normalizers, policy_loss
-from grpo.packing import PackedRows, pack_episodes, plan_micro_batches
+from grpo.rollout.episode import EpisodeBatch
+from grpo.train.loss import SUMMED_STATS, LossSettings, Normalizers, policy_loss
+from grpo.train.packing import PackedRows, pack_episodes, plan_micro_batches
 from model import Transformer
 from model.mixed_precision import OneRankMixedPrecision
 from model.parallelize import parallelize

@@ -1,0 +1,1 @@
+"""Prompts: where they come from and how they become tokens."""

@@ -1,0 +1,1 @@
+"""What a run reports: step metrics and their backends, FLOPs and MFU, and the PNG report."""

@@ -1,0 +1,1 @@
+"""Episodes into rewards: the Scorer and its pool of reward worker processes."""
