@@ -69,11 +69,11 @@ def trl_peer(opts, use_vllm: bool = False) -> dict:
 
     import rewards
     from grpo.config import load_config
-    from grpo.data.sources import GymTask
+    from grpo.data.sources import GymSource
 
     cfg = load_config(["--config", str(config_path(opts)), f"--model.path={opts.model}", f"--training.steps={opts.steps}"],
                       world_size=1)
-    task = GymTask(cfg, AutoTokenizer.from_pretrained(str(opts.model)))
+    task = GymSource(cfg, AutoTokenizer.from_pretrained(str(opts.model)))
     per_step = cfg.data.prompts_per_step
     train = [p for step in range(1, opts.steps + 1) for p in task.train_prompts(step, per_step)]
     meta = {p.index: p.metadata for p in train + task.eval_prompts}

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from grpo.data.digits import Prompt
+from grpo.data.prompt import Prompt
 from grpo.data.files import PromptDataset, read_records, render_prompt
 from grpo.data.tokenizer import load_hf_tokenizer
 from tests.hf_fixtures import FIXTURE, SYSTEM, build_tokenizer

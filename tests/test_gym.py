@@ -12,7 +12,7 @@ import pytest
 import rewards
 from grpo.config import ConfigError, load_config
 from grpo.data.gym import HELD_OUT_SEED_OFFSET, check_gym_config, gym_records
-from grpo.data.sources import GymTask
+from grpo.data.sources import GymSource
 
 reasoning_gym = pytest.importorskip("reasoning_gym")
 
@@ -46,7 +46,7 @@ def _cfg(steps: int = 3, prompts: int = 4, held_out: int = 40, seed: int = 0):
 
 def test_held_out_problems_are_never_trained_on():
     # one-digit sums and differences: few distinct problems, so the two seeds' draws overlap
-    task = GymTask(_cfg(steps=10, prompts=8, held_out=40), CharCodes())
+    task = GymSource(_cfg(steps=10, prompts=8, held_out=40), CharCodes())
     held_out = {p.text for p in task.eval_prompts}
     assert len(task.eval_prompts) == 40 and all(p.index < 0 for p in task.eval_prompts)
     expected = [r["text"] for r in gym_records("chain_sum", SUMS, 40, HELD_OUT_SEED_OFFSET)]
@@ -55,7 +55,7 @@ def test_held_out_problems_are_never_trained_on():
     assert trained and not held_out & {p.text for p in trained}
     overlap = {r["text"] for r in gym_records("chain_sum", SUMS, 80, 0)} & held_out
     assert overlap, "the seeds' draws should overlap here, or the test shows nothing"
-    assert [p.text for p in task.train_prompts(2, 8)] == [p.text for p in GymTask(_cfg(steps=10, prompts=8), CharCodes()).train_prompts(2, 8)]
+    assert [p.text for p in task.train_prompts(2, 8)] == [p.text for p in GymSource(_cfg(steps=10, prompts=8), CharCodes()).train_prompts(2, 8)]
 
 
 @pytest.mark.parametrize(

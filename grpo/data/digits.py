@@ -1,20 +1,10 @@
-"""Prompt sources and tokenizers: the built-in character tokenizer and digit-reversal task."""
+"""The built-in tasks on random digit strings and their character tokenizer: no files, no downloads."""
 
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
 
-
-@dataclass
-class Prompt:
-    """One prompt of the dataset: `index` is its stable id (keys sampling randomness)."""
-
-    index: int
-    text: str
-    answer: str
-    token_ids: list[int]
-    metadata: dict = field(default_factory=dict)
+from grpo.data.prompt import Prompt
 
 
 class CharTokenizer:

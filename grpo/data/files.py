@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from grpo.data.digits import Prompt
+from grpo.data.prompt import Prompt
 from grpo.data.tokenizer import HFTokenizer
 
 SUPPORTED_EXTENSIONS = (".jsonl", ".parquet")

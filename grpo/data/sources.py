@@ -1,6 +1,6 @@
-"""The prompt sources of a run on an HF checkpoint: prompt files (`FileTask`) and reasoning-gym
-datasets (`GymTask`), both rendered with the checkpoint's tokenizer. (The built-in digit tasks are
-in digits.py.)"""
+"""A run's prompt source and tokenizer, chosen from the config: the built-in digit tasks with the
+character tokenizer (digits.py), or, on an HF checkpoint, prompt files (`FileSource`) or
+reasoning-gym datasets (`GymSource`) rendered with the checkpoint's tokenizer."""
 
 from __future__ import annotations
 
@@ -8,19 +8,31 @@ import dataclasses
 from typing import Any
 
 from grpo.config import Config
-from grpo.data.digits import Prompt
+from grpo.data.digits import CharTokenizer, DigitTask
 from grpo.data.files import PromptDataset
-from grpo.data.tokenizer import HFTokenizer
 from grpo.data.gym import HELD_OUT_SEED_OFFSET, PREFIX, gym_records, is_gym_path
+from grpo.data.prompt import Prompt, PromptSource, Tokenizer
+from grpo.data.tokenizer import HFTokenizer, load_hf_tokenizer
+from grpo.errors import TandemError
 
 
-class DataError(ValueError):
+class DataError(TandemError, ValueError):
     """The prompt file or the checkpoint's tokenizer cannot be used; the message names the culprit."""
 
 
-def prompt_source(cfg: Config, tokenizer: HFTokenizer) -> FileTask | GymTask:
-    """The source data.path names: a reasoning-gym dataset or a prompt file / folder."""
-    return GymTask(cfg, tokenizer) if is_gym_path(cfg.data.path) else FileTask(cfg, tokenizer)
+def open_prompts(cfg: Config) -> tuple[Tokenizer, PromptSource]:
+    """The run's tokenizer and prompt source: model.path's tokenizer with the file or reasoning-gym
+    dataset data.path names, or the built-in tokenizer and digit task."""
+    d = cfg.data
+    if not cfg.model.path:
+        tokenizer = CharTokenizer()
+        return tokenizer, DigitTask(d.task, tokenizer, d.digits_min, d.digits_max, cfg.job.seed, cfg.eval.num_prompts)
+    try:
+        tokenizer = load_hf_tokenizer(cfg.model.path)
+        source = GymSource(cfg, tokenizer) if is_gym_path(d.path) else FileSource(cfg, tokenizer)
+    except (ValueError, FileNotFoundError) as error:
+        raise DataError(str(error)) from None
+    return tokenizer, source
 
 
 def _render_options(cfg: Config) -> dict[str, Any]:
@@ -36,9 +48,8 @@ def _render_options(cfg: Config) -> dict[str, Any]:
     )
 
 
-class _DatasetTask:
-    """DigitTask's interface over a PromptDataset: `train_prompts(step, count)` for RL steps 1, 2, ...
-    and `eval_prompts` (held out, never trained on)."""
+class _DatasetSource:
+    """`PromptSource` over a PromptDataset: RL step s (1, 2, ...) takes the dataset's batch s - 1."""
 
     dataset: PromptDataset
     eval_prompts: list[Prompt]
@@ -51,7 +62,7 @@ class _DatasetTask:
         return self.dataset.batch(step - 1, count, round_index)
 
 
-class FileTask(_DatasetTask):
+class FileSource(_DatasetSource):
     """Prompts from the JSONL / Parquet file or folder at data.path; eval.num_prompts of them held out."""
 
     def __init__(self, cfg: Config, tokenizer: HFTokenizer):
@@ -68,7 +79,7 @@ class FileTask(_DatasetTask):
         self.eval_prompts = self.dataset.eval_prompts
 
 
-class GymTask(_DatasetTask):
+class GymSource(_DatasetSource):
     """reasoning-gym problems: training ones from `job.seed`, held-out ones from a seed of their own;
     a training problem whose question is also held out is dropped."""
 

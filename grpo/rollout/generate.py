@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import torch
 
-from grpo.data.digits import Prompt
+from grpo.data.prompt import Prompt
 from grpo.engine import Completion, GenerationRequest, NativeEngine, SamplingParams
 from grpo.rollout.episode import EpisodeBatch
 from grpo.scoring.scorer import Scorer

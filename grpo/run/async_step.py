@@ -49,7 +49,7 @@ class AsyncSchedule:
         """One async step; returns what `steps.sync_step` returns."""
         job, cfg = self.job, self.job.cfg
         start = time.perf_counter()
-        prompts = job.task.train_prompts(step, cfg.data.prompts_per_step)
+        prompts = job.source.train_prompts(step, cfg.data.prompts_per_step)
         batch, generate_s = self.inflight.pop(step, (None, 0.0))
         episodes, generate_s = job.deliver(batch, len(prompts), generate_s)
 
@@ -88,5 +88,5 @@ class AsyncSchedule:
         """Generate the batch of `step` on generator ranks with the weights they hold now."""
         job = self.job
         if job.roles.is_generator:
-            prompts = job.task.train_prompts(step, job.cfg.data.prompts_per_step)
+            prompts = job.source.train_prompts(step, job.cfg.data.prompts_per_step)
             self.inflight[step] = job.generate(prompts, job.cfg.grpo.group_size, step)

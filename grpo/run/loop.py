@@ -118,7 +118,7 @@ def run_loop(cfg: Config, job: Run, resume: Path | None = None, stop: GracefulSt
             f"({cfg.parallelism.mode}, {len(roles.generator_ranks)} generator / {len(roles.trainer_ranks)} trainer ranks); "
             f"held-out reward {first['eval/reward_mean']:.3f} -> {last['eval/reward_mean']:.3f} "
             f"({'greedy' if cfg.eval.samples == 1 else f'{cfg.eval.samples} samples each'}, "
-            f"{len(job.task.eval_prompts)} prompts); metrics: {logger.path}",
+            f"{len(job.source.eval_prompts)} prompts); metrics: {logger.path}",
             flush=True,
         )
         print(f"report: {render_report(cfg.job.output_dir)} (python -m grpo.observe.report {cfg.job.output_dir})", flush=True)

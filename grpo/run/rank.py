@@ -19,8 +19,8 @@ import torch.distributed as dist
 
 from grpo.train.checkpoint import check_matches, checkpoint_bytes, export_hf
 from grpo.config import Config
-from grpo.data.digits import CharTokenizer, DigitTask, Prompt
-from grpo.data.tokenizer import HFTokenizer, load_hf_tokenizer
+from grpo.data.prompt import Prompt
+from grpo.data.tokenizer import HFTokenizer
 from grpo.engine import NativeEngine, SamplingParams
 from grpo.engine.vmm import mapped_bytes
 from grpo.rollout.episode import (
@@ -35,7 +35,7 @@ from grpo.observe.metrics import reduce_across
 from grpo.distributed.roles import Roles
 from grpo.rollout.generate import generate_episodes, score_episodes
 from grpo.scoring.scorer import Scorer
-from grpo.data.sources import DataError, prompt_source
+from grpo.data.sources import open_prompts
 from grpo.train.trainer import Trainer
 from grpo.rollout.transport import exchange_episodes
 from grpo.distributed.weight_sync import WeightSync
@@ -90,18 +90,10 @@ class Run:
         shapes here, before any model is built."""
         self.cfg, self.device, self.roles, self.scorer = cfg, device, roles, scorer
         self.dtype = compute_dtype(cfg, device)
+        self.tokenizer, self.source = open_prompts(cfg)
         if cfg.model.path:
-            try:
-                self.tokenizer = load_hf_tokenizer(cfg.model.path)
-                self.task = prompt_source(cfg, self.tokenizer)
-            except (ValueError, FileNotFoundError) as error:
-                raise DataError(str(error)) from None
             self.args = args = ModelArgs.from_hf_dir(cfg.model.path)
         else:
-            self.tokenizer = CharTokenizer()
-            self.task = DigitTask(
-                cfg.data.task, self.tokenizer, cfg.data.digits_min, cfg.data.digits_max, cfg.job.seed, cfg.eval.num_prompts
-            )
             self.args = args = builtin_model_args(cfg, self.tokenizer.vocab_size)
         with torch.device("meta"):
             shapes = {name: tuple(p.shape) for name, p in Transformer(args).named_parameters()}
@@ -150,7 +142,7 @@ class Run:
                 stop_strings=gen.stop,
                 decode_text=self.tokenizer.decode,
                 max_batch_size=gen.max_batch_size,
-                max_seq_len=gen.max_seq_len or self.task.max_prompt_tokens + gen.max_new_tokens,
+                max_seq_len=gen.max_seq_len or self.source.max_prompt_tokens + gen.max_new_tokens,
                 kv_cache_gb=gen.kv_cache_gb,
             )
             if gen.engine == "vllm":

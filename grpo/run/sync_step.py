@@ -18,7 +18,7 @@ def evaluate(job: Run) -> dict[str, float]:
     eval/pass@k: the fraction of prompts with at least one such completion among k = eval.samples.
     Sampling keys use step 0, which no training step uses: every evaluation draws the same noise.
     """
-    prompts, n = job.task.eval_prompts, job.cfg.eval.samples
+    prompts, n = job.source.eval_prompts, job.cfg.eval.samples
     episodes, _ = job.collect_episodes(prompts, n, step=0, sampling=job.greedy if n == 1 else None)
     job.score(episodes, prompts)
     if not job.roles.is_trainer:
@@ -59,7 +59,7 @@ def sync_step(job: Run, step: int, with_samples: bool = False) -> tuple[dict[str
     # peak device memory (GB) of this rank in each phase of the step
     memory: dict[str, float] = {}
     for round_index in range(rounds):
-        prompts = job.task.train_prompts(step, target, round_index)
+        prompts = job.source.train_prompts(step, target, round_index)
         prompts_seen.update((p.index, p) for p in prompts)
         with job.peak_memory("memory/generate_peak_gb", memory):
             episodes, seconds = job.collect_episodes(prompts, G, step)
