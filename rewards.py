@@ -1,4 +1,4 @@
-"""Reward functions and their loading.
+"""Reward functions: the built-ins, and the contract a function of your own meets.
 
 A reward function scores one episode: ``fn(prompt, completion, answer, metadata) -> float``.
 A function decorated with ``@rewards.batched`` (any callable with ``batched = True``) instead scores
@@ -9,32 +9,30 @@ already running an event loop (e.g. a Scorer with ``num_workers == 0`` used insi
 ``completion`` is the decoded model output with the EOS stripped; ``answer`` and ``metadata``
 come from the prompt source. Functions run in worker processes, so they must be importable
 module-level callables. Scorer workers import this module to run them, so at module level it
-imports only the standard library; ``math_accuracy`` imports ``math_verify`` on first use.
+imports only the standard library and grpo.errors (which imports nothing); ``math_accuracy``
+imports ``math_verify`` on first use.
 
 Built-ins (see ``REWARDS``): ``digit_match`` (the digit tasks), ``math_accuracy`` (final-answer
 equivalence for math word problems), ``format_reward`` (regex layout check),
 ``length_penalty`` (a non-positive length shaping term) and ``reasoning_gym`` (a reasoning-gym
-dataset's own ``score_answer``; imports ``reasoning_gym`` on first use).
+dataset's own ``score_answer``; imports ``reasoning_gym`` on first use). How a function is loaded
+and called on a chunk of episodes, and how its failures are reported, is grpo/scoring/calls.py.
 """
 
-import asyncio
 import functools
-import importlib
-import inspect
-import math
 import numbers
-import os
 import re
-import sys
 import threading
 from collections.abc import Callable
 from fractions import Fraction
 
+from grpo.errors import TandemError
+
 RewardFn = Callable[[str, str, str, dict], float]
 
 
-class RewardError(ValueError):
-    pass
+class RewardError(TandemError, ValueError):
+    """A reward function cannot be loaded or failed on episodes; the message names it."""
 
 
 def batched(fn):
@@ -43,14 +41,6 @@ def batched(fn):
     It may be ``async def``. Returns ``fn`` itself with ``fn.batched = True``."""
     fn.batched = True
     return fn
-
-
-def is_batched(fn) -> bool:
-    return getattr(fn, "batched", False) is True
-
-
-def _is_async(fn) -> bool:
-    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
 
 
 def digit_match(prompt: str, completion: str, answer: str, metadata: dict) -> float:
@@ -347,178 +337,3 @@ REWARDS: dict[str, RewardFn] = {
     "length_penalty": length_penalty,
     "reasoning_gym": reasoning_gym,
 }
-
-
-def load_reward(spec: str) -> RewardFn:
-    """Resolve a built-in name (see ``REWARDS``) or a ``"module:function"`` spec.
-
-    The module is imported from sys.path, with the current directory appended so that a reward
-    file in the launch directory works under ``torchrun`` too.
-    """
-    module_name, sep, attr = spec.partition(":")
-    if not sep:
-        if spec not in REWARDS:
-            raise RewardError(
-                f"unknown reward function {spec!r}; built-ins: {', '.join(sorted(REWARDS))} "
-                "(or give 'module:function')"
-            )
-        return REWARDS[spec]
-    if not module_name or not attr:
-        raise RewardError(f"reward function {spec!r}: expected 'module:function'")
-    if os.getcwd() not in sys.path:
-        sys.path.append(os.getcwd())
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as e:
-        detail = str(e) if isinstance(e, ImportError) else f"{type(e).__name__}: {e}"
-        raise RewardError(f"reward function {spec!r}: cannot import module {module_name!r} ({detail})") from e
-    if not hasattr(module, attr):
-        raise RewardError(f"reward function {spec!r}: module {module_name!r} has no attribute {attr!r}")
-    fn = getattr(module, attr)
-    if not callable(fn):
-        raise RewardError(f"reward function {spec!r}: {attr!r} is not callable ({type(fn).__name__})")
-    # Catch a wrong signature now rather than in the first training step.
-    try:
-        signature = inspect.signature(fn)
-    except (TypeError, ValueError):  # some C callables have no signature; let them through
-        return fn
-    try:
-        signature.bind("", "", "", {})
-    except TypeError:
-        raise RewardError(
-            f"reward function {spec!r}: signature {signature} does not accept "
-            "(prompt, completion, answer, metadata)"
-        ) from None
-    return fn
-
-
-def reward_name(spec: str) -> str:
-    """The name a spec's rewards are reported under: the function part of ``"module:function"``."""
-    return spec.rpartition(":")[2]
-
-
-_load_cached = functools.cache(load_reward)
-
-
-def score_episodes(
-    spec: str, start: int, prompts: list[str], completions: list[str], answers: list[str], metadata: list[dict]
-) -> tuple[list[float], str | None]:
-    """Score episodes ``start, start + 1, ...`` with one reward function.
-
-    Returns ``(rewards, None)``, or ``([], message)`` on the first failure. Scorer workers run
-    this; errors come back as one-line messages, not exceptions, because an arbitrary exception
-    may not pickle and only here is the episode index known.
-    """
-    rewards, error, _, _ = score_chunk(spec, start, prompts, completions, answers, metadata, "stop")
-    return rewards, error
-
-
-def score_chunk(
-    spec: str,
-    start: int,
-    prompts: list[str],
-    completions: list[str],
-    answers: list[str],
-    metadata: list[dict],
-    on_error: str = "stop",
-) -> tuple[list[float], str | None, int, str | None]:
-    """Score a chunk of episodes (``start, start + 1, ...``) with one reward function.
-
-    Returns ``(rewards, fatal_error, zeroed, first_error)``. ``fatal_error`` is a one-line message
-    (with ``rewards == []``) for a failure that stops scoring: with ``on_error="stop"`` any failure;
-    with either mode a spec that does not load or a batched function whose result has the wrong
-    length or is not a sequence. With ``on_error="zero"``, an episode whose call raises or returns
-    a non-number / non-finite value scores 0.0 instead; ``zeroed`` counts those episodes and
-    ``first_error`` describes the first one (a batched call that raises zeroes the whole chunk).
-    """
-    name = reward_name(spec)
-    try:
-        fn = _load_cached(spec)
-    except RewardError as e:
-        return [], str(e), 0, None
-    n = len(prompts)
-    columns = (prompts, completions, answers, metadata)
-
-    def where(i: int) -> str:
-        return (
-            f"episode {start + i} (prompt {_clip(repr(prompts[i]), 60)}, "
-            f"completion {_clip(repr(completions[i]), 60)})"
-        )
-
-    def raised(e: BaseException, place: str) -> str:
-        return f"reward function {name!r} raised {_clip(repr(e), 200)} on {place}"
-
-    # outcomes[i] is ("ok", value) or ("raised", exception); values are checked below.
-    if is_batched(fn):
-        try:
-            result = fn(*(list(c) for c in columns))
-            if inspect.isawaitable(result):
-                result = asyncio.run(_await(result))
-        except Exception as e:
-            message = raised(e, f"episodes {start}-{start + n - 1}")
-            if on_error == "zero":
-                return [0.0] * n, None, n, message
-            return [], message, 0, None
-        if isinstance(result, (str, bytes, dict)) or not hasattr(result, "__len__") or not hasattr(result, "__iter__"):
-            return [], (
-                f"batched reward function {name!r} returned {_clip(repr(result), 60)} ({type(result).__name__}) "
-                f"on episodes {start}-{start + n - 1}; expected a list of {n} numbers"
-            ), 0, None
-        if len(result) != n:
-            return [], (
-                f"batched reward function {name!r} returned {len(result)} rewards for {n} episodes "
-                f"(episodes {start}-{start + n - 1}); expected one per episode"
-            ), 0, None
-        outcomes = [("ok", value) for value in result]
-    elif _is_async(fn):
-        try:
-            results = asyncio.run(_gather(fn, columns))
-        except Exception as e:  # e.g. asyncio.run inside a running event loop
-            message = raised(e, f"episodes {start}-{start + n - 1}")
-            if on_error == "zero":
-                return [0.0] * n, None, n, message
-            return [], message, 0, None
-        outcomes = [("raised", r) if isinstance(r, BaseException) else ("ok", r) for r in results]
-    else:
-        outcomes = None  # called lazily below, so "stop" stops at the first failure
-
-    rewards, zeroed, first_error = [], 0, None
-    for i in range(n):
-        if outcomes is None:
-            try:
-                outcome = ("ok", fn(prompts[i], completions[i], answers[i], metadata[i]))
-            except Exception as e:
-                outcome = ("raised", e)
-        else:
-            outcome = outcomes[i]
-        kind, value = outcome
-        if kind == "raised":
-            if isinstance(value, (KeyboardInterrupt, SystemExit)):
-                raise value
-            message = raised(value, where(i))
-        elif not isinstance(value, numbers.Real) or not math.isfinite(value):
-            message = (
-                f"reward function {name!r} returned {_clip(repr(value), 60)} ({type(value).__name__}) "
-                f"on {where(i)}; expected a finite number"
-            )
-        else:
-            rewards.append(float(value))
-            continue
-        if on_error != "zero":
-            return [], message, 0, None
-        rewards.append(0.0)
-        zeroed += 1
-        first_error = first_error or message
-    return rewards, None, zeroed, first_error
-
-
-async def _await(awaitable):
-    return await awaitable
-
-
-async def _gather(fn, columns) -> list:
-    return await asyncio.gather(*(fn(*episode) for episode in zip(*columns)), return_exceptions=True)
-
-
-def _clip(text: str, limit: int) -> str:
-    return text if len(text) <= limit else text[:limit] + "..."

@@ -20,27 +20,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from grpo.train.checkpoint import CheckpointMismatch, find_resume
 from grpo.config import Config, ConfigError, load_config, write_resolved_config
-from grpo.distributed.faults import (
-    CollectiveTimeout,
-    GracefulStop,
-    PeerLost,
-    StartupError,
-    check_output_dir,
-    check_shared_output_dir,
-    is_connection_lost,
-    peer_lost,
-    restart_count,
-)
-from grpo.distributed.lock import OutputLock, refusal
-from grpo.run.rank import Run, RunAborted, TrainingDiverged, reduce
+from grpo.distributed.faults import GracefulStop, is_connection_lost, peer_lost, restart_count
+from grpo.distributed.preflight import check_output_dir, check_shared_output_dir, take_output_lock
 from grpo.distributed.roles import build_roles
+from grpo.errors import TandemError
 from grpo.run.loop import run_loop
+from grpo.run.rank import Run, RunAborted
 from grpo.scoring.scorer import Scorer
-from grpo.data.sources import DataError
-from model import CheckpointError, UnsupportedModelError, batch_invariant
-from rewards import RewardError
+from grpo.train.checkpoint import find_resume
+from model import batch_invariant
 
 
 def _free_port() -> int:
@@ -143,23 +132,6 @@ def run(cfg: Config, stop: GracefulStop) -> None:
         dist.destroy_process_group()
 
 
-def take_output_lock(output_dir: str, is_leader: bool) -> OutputLock | None:
-    """The leader (first trainer rank) locks job.output_dir; every rank learns whether it could, and
-    each raises the same StartupError naming the holder if not."""
-    lock, refused = (OutputLock(output_dir) if is_leader else None), 0.0
-    if lock is not None:
-        try:
-            warning = lock.acquire()
-        except StartupError:
-            refused = 1.0
-        else:
-            if warning:
-                print(warning, file=sys.stderr, flush=True)
-    if reduce({"refused": refused}, None, dist.ReduceOp.MAX)["refused"]:
-        raise refusal(output_dir)
-    return lock
-
-
 def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(argv)
@@ -171,20 +143,11 @@ def main(argv: list[str] | None = None) -> int:
     with GracefulStop() as stop:
         try:
             run(cfg, stop)
-        except (
-            RewardError,
-            DataError,
-            CheckpointError,
-            UnsupportedModelError,
-            CheckpointMismatch,
-            StartupError,
-            CollectiveTimeout,
-            PeerLost,
-            TrainingDiverged,
-        ) as error:
+        except TandemError as error:
             print(f"error: {error}", file=sys.stderr)
             return 1
         except RunAborted:
+            # Silent: the rank that failed has printed the one line.
             return 1
         except (RuntimeError, dist.DistError) as error:
             if not is_connection_lost(error):

@@ -29,7 +29,12 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.rl_step import (  # noqa: E402
-    MEASURED_RUN, QWEN3_0_6B, build_checkpoint, build_prompts, git_commit, workload_args,
+    MEASURED_RUN,
+    QWEN3_0_6B,
+    build_checkpoint,
+    build_prompts,
+    git_commit,
+    workload_args,
 )
 
 COMMON = ["--parallelism.mode=colocated", *MEASURED_RUN, "--eval.num_prompts=16"]

@@ -40,16 +40,15 @@ sys.path.insert(0, str(REPO))
 import model.attention as attention  # noqa: E402
 import model.logprob_head as head  # noqa: E402
 import model.model as native  # noqa: E402
-from model import batch_invariant  # noqa: E402
 from bench.generate import commit  # noqa: E402
+from fixtures.hf import FIXTURE  # noqa: E402
 from grpo.config import GRPOConfig, OptimizerConfig  # noqa: E402
 from grpo.data.tokenizer import load_hf_tokenizer  # noqa: E402
 from grpo.engine import GenerationRequest, NativeEngine, SamplingParams  # noqa: E402
 from grpo.rollout.generate import episodes_from_completions  # noqa: E402
 from grpo.train.trainer import Trainer  # noqa: E402
-from model import ModelArgs  # noqa: E402
+from model import ModelArgs, batch_invariant  # noqa: E402
 from model.hf import from_hf  # noqa: E402
-from tests.hf_fixtures import FIXTURE  # noqa: E402
 
 
 def _fp32_linear(x, w, b=None):

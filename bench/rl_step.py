@@ -5,7 +5,7 @@
 
 Builds (once, in --workdir) a random-weight bf16 HF checkpoint with the Qwen3-0.6B body (28 layers,
 hidden 1024, 16 / 8 heads, head_dim 128, FFN 3072, tied embeddings) and the 600-token BPE tokenizer
-of tests/hf_fixtures.py, so the step is the real model's compute without the 152k-token vocab.
+of fixtures/hf.py, so the step is the real model's compute without the 152k-token vocab.
 Then runs `train_grpo.py` colocated on one rank: 64 prompts x 8 samples, 256 new tokens, math
 rewards, lr 1e-6. Prints one JSON line per step (time split, throughput, engine vs trainer
 log-prob gap) and a summary line with medians over the steps after the first --skip.
@@ -27,7 +27,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tests.hf_fixtures import FIXTURE, SYSTEM, build_tokenizer  # noqa: E402
+from fixtures.hf import FIXTURE, SYSTEM, build_tokenizer  # noqa: E402
 
 QWEN3_0_6B = {"layers": 28, "dim": 1024, "heads": 16, "kv_heads": 8, "head_dim": 128, "ffn": 3072}
 TINY = {"layers": 2, "dim": 64, "heads": 4, "kv_heads": 2, "head_dim": 16, "ffn": 128}

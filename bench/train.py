@@ -13,8 +13,9 @@ tandem: `Trainer.train` on a 1-rank mesh (FSDP2, fp32 master weights, bf16 compu
 sequences packed into micro-batches of at most `--micro-batch-tokens` tokens, the GRPO loss on the
 completion tokens; its log-prob head reads fp32 logits (`model.fp32_logits`, the default), and
 `--logits fp32,bf16` adds a run on bf16 logits (`_bf16_logits` in its name). HF:
-`AutoModelForCausalLM` in bf16 (SDPA attention), cross-entropy over the batch, `torch.optim.AdamW`; (b) runs padded micro-batches of sequences sorted by length, (c) one
-sequence per micro-batch with gradient checkpointing. Both take one optimizer step per batch.
+`AutoModelForCausalLM` in bf16 (SDPA attention), cross-entropy over the batch, `torch.optim.AdamW`;
+(b) runs padded micro-batches of sequences sorted by length, (c) one sequence per micro-batch with
+gradient checkpointing. Both take one optimizer step per batch.
 
 Reported per line: tokens/s over the batch's tokens (best of --reps after a warm-up step, whose
 time is `first_step_s`: compile included), MFU = model FLOP/s over the bf16 matmul rate measured
@@ -39,11 +40,14 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.generate import SHAPES, VOCAB, commit, model_args  # noqa: E402
-from model import batch_invariant  # noqa: E402
 from grpo.config import GRPOConfig, OptimizerConfig  # noqa: E402
 from grpo.rollout.episode import EpisodeBatch  # noqa: E402
 from grpo.train.trainer import Trainer  # noqa: E402
-from model import ModelArgs, Transformer  # noqa: E402
+from model import (  # noqa: E402
+    ModelArgs,
+    Transformer,
+    batch_invariant,  # noqa: E402
+)
 
 CONFIGS = {
     "a": dict(lengths="fixed", n=16, length=1024, checkpointing=False),

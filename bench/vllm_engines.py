@@ -172,7 +172,9 @@ def main() -> None:
     parser.add_argument("--batches", default="64,256")
     parser.add_argument("--engines", default="native,tandem_vllm,vllm")
     parser.add_argument("--reps", type=int, default=2)
-    parser.add_argument("--timeout", type=int, default=900, help="seconds per engine process (vLLM starts in 1-3 min: it compiles)")
+    parser.add_argument(
+        "--timeout", type=int, default=900, help="seconds per engine process (vLLM starts in 1-3 min: it compiles)"
+    )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--shape", help=argparse.SUPPRESS)
     parser.add_argument("--engine", help=argparse.SUPPRESS)

@@ -26,9 +26,9 @@ from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from grpo.engine import NativeEngine, SamplingParams  # noqa: E402
 from grpo.distributed.roles import build_roles  # noqa: E402
 from grpo.distributed.weight_sync import WeightSync  # noqa: E402
+from grpo.engine import NativeEngine, SamplingParams  # noqa: E402
 from model import ModelArgs, Transformer  # noqa: E402
 from model.parallelize import parallelize  # noqa: E402
 

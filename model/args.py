@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from grpo.errors import TandemError
+
 SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "LlamaForCausalLM": "llama",
@@ -16,7 +18,7 @@ SUPPORTED_ROPE_TYPES = ("default", "llama3")
 LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
-class UnsupportedModelError(ValueError):
+class UnsupportedModelError(TandemError, ValueError):
     """An HF config asks for something the native model does not implement."""
 
 

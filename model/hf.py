@@ -11,6 +11,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from grpo.errors import TandemError
 from model.args import ModelArgs
 from model.model import Transformer
 
@@ -39,7 +40,7 @@ _TOP_KEYS = {
 _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(TandemError, ValueError):
     """A checkpoint's tensors do not match the model its config describes."""
 
 

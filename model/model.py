@@ -32,6 +32,7 @@ from model.attention import SequenceLayout, packed_attention, sequence_layout
 from model.batch_invariant import head_logits, linear, output_logits, project, tokenwise
 from model.logprob_head import target_logprobs
 
+
 class RMSNorm(nn.Module):
     """x / rms(x) * weight, normalised in fp32 and cast back before the scale (as HF does)."""
 
@@ -213,7 +214,9 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim, dtype=dtype, device=device)
         self.layers = nn.ModuleList(TransformerBlock(args, dtype, device) for _ in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps, dtype, device)
-        self.output = None if args.tie_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False, dtype=dtype, device=device)
+        self.output = (
+            None if args.tie_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False, dtype=dtype, device=device)
+        )
         # Derived from args, not state: kept off the state dict and rebuilt wherever the model lives.
         self._inv_freq = rope_inv_freq(args)
 

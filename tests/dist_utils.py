@@ -22,7 +22,8 @@ import torch.multiprocessing as mp
 # Imported once by the fork server, so that each rank starts with them already loaded.
 _PRELOAD = [
     "torch", "torch.distributed.tensor", "torch.distributed.fsdp", "model", "model.parallelize", "grpo.distributed.roles",
-    "grpo.distributed.weight_sync", "grpo.rollout.transport", "grpo.train.trainer", "grpo.engine", "grpo.rollout.generate", __name__,
+    "grpo.distributed.weight_sync", "grpo.rollout.transport", "grpo.train.trainer", "grpo.engine", "grpo.rollout.generate",
+    __name__,
 ]
 
 

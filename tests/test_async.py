@@ -39,9 +39,9 @@ def test_truncated_importance_sampling_is_on_by_default_in_async_only():
 def _swap_worker(rank: int, world_size: int, lag: int, steps: int, out: str) -> dict:
     """Drive the async schedule step by step on 1 generator + 1 trainer; record, after each weight
     swap, the generator's weights or the trainer's masters, and the versions of the batches in flight."""
-    from grpo.run.rank import Run
-    from grpo.run.async_step import AsyncSchedule
     from grpo.distributed.roles import build_roles
+    from grpo.run.async_step import AsyncSteps
+    from grpo.run.rank import Run
     from grpo.scoring.scorer import Scorer
 
     cfg = load_config([*SHORT, *ASYNC, f"--training.max_staleness={lag}", f"--training.steps={steps}",
@@ -50,20 +50,20 @@ def _swap_worker(rank: int, world_size: int, lag: int, steps: int, out: str) -> 
     Path(out).mkdir(parents=True, exist_ok=True)
     roles = build_roles("split", 1, device, timedelta(seconds=60))
     scorer = Scorer(cfg.rewards.functions, cfg.rewards.weights, 10.0, 0) if roles.is_trainer else None
-    job = Run(cfg, device, roles, scorer)
-    job.sync_weights(version=0)
-    pipeline = AsyncSchedule(job)
-    pipeline.prime(0, None)
+    run = Run(cfg, device, roles, scorer)
+    run.sync_weights(version=0)
+    async_steps = AsyncSteps(run)
+    async_steps.prime(0, None)
     record = {"weights": [], "inflight_versions": [], "staleness_max": []}
     for step in range(1, steps + 1):
-        metrics, _ = pipeline.step(step)
+        metrics, _ = async_steps.step(step)
         if roles.is_generator:
-            record["weights"].append({n: p.detach().clone() for n, p in job.engine.model.named_parameters()})
+            record["weights"].append({n: p.detach().clone() for n, p in run.engine.model.named_parameters()})
             record["inflight_versions"].append(
-                {s: sorted(set(batch.version.tolist())) for s, (batch, _) in pipeline.inflight.items()}
+                {s: sorted(set(batch.version.tolist())) for s, (batch, _) in async_steps.inflight.items()}
             )
         else:
-            record["weights"].append({n: t.clone() for n, _, t in job.trainer.full_weights(job.dtype)})
+            record["weights"].append({n: t.clone() for n, _, t in run.trainer.full_weights(run.dtype)})
             record["staleness_max"].append(metrics["staleness/max"])
     if scorer is not None:
         scorer.close()

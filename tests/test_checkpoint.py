@@ -15,6 +15,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
+from grpo.distributed.preflight import StartupError, check_free_disk, check_output_dir
 from grpo.train.checkpoint import (
     CheckpointMismatch,
     check_matches,
@@ -24,7 +25,6 @@ from grpo.train.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from grpo.distributed.faults import StartupError, check_free_disk, check_output_dir
 from grpo.train.trainer import Trainer
 from model import Transformer
 from tests.dist_utils import one_thread, run_ranks

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from grpo.data.prompt import Prompt
+from fixtures.hf import FIXTURE, SYSTEM, build_tokenizer
 from grpo.data.files import PromptDataset, read_records, render_prompt
+from grpo.data.prompt import Prompt
 from grpo.data.tokenizer import load_hf_tokenizer
-from tests.hf_fixtures import FIXTURE, SYSTEM, build_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -167,7 +167,8 @@ def test_too_long_skip_and_error(tok):
     ds = PromptDataset(records, tok, max_prompt_tokens=limit, seed=0)
     assert ds.num_skipped == len(over) and ds.skipped_indices == over
     assert [p.index for p in ds.prompts] == [i for i in range(len(records)) if i not in over]
-    with pytest.raises(ValueError, match=rf"prompt {over[0]} \(.*gsm8k_sample\.jsonl:{over[0] + 1}\) has {lengths[over[0]]} tokens, over max_prompt_tokens={limit}"):
+    where = rf"prompt {over[0]} \(.*gsm8k_sample\.jsonl:{over[0] + 1}\)"
+    with pytest.raises(ValueError, match=rf"{where} has {lengths[over[0]]} tokens, over max_prompt_tokens={limit}"):
         PromptDataset(records, tok, max_prompt_tokens=limit, too_long="error", seed=0)
     with pytest.raises(ValueError, match="over max_prompt_tokens"):
         PromptDataset(records, tok, max_prompt_tokens=1, seed=0)
@@ -204,7 +205,7 @@ def test_held_out_never_in_training_batches(tok):
     assert same.eval_prompts == held
     held_ids = {p.index for p in held}
     trained = Counter(p.index for step in range(30) for p in ds.batch(step, 4))
-    assert not held_ids & set(trained) and set(trained) == {p.index for p in ds.training_prompts}
+    assert not held_ids & set(trained) and set(trained) == {p.index for p in ds.prompts} - held_ids
     with pytest.raises(ValueError, match="already held out"):
         ds.held_out(2)
     fresh = PromptDataset(records, tok, max_prompt_tokens=512, seed=1)

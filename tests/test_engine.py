@@ -401,15 +401,3 @@ def test_update_weights_refuses_a_wrong_shape():
     engine = NativeEngine(ARGS, SamplingParams(max_new_tokens=2), eos_ids=[0], seed=0, dtype=torch.float32, device="cpu")
     with pytest.raises(ValueError, match="'norm.weight' has shape \\[1\\], the engine holds \\[32\\]"):
         engine.update_weights([[("norm.weight", (), torch.ones(1))]], version=1)
-
-
-def test_pause_holds_the_queue_until_resume():
-    engine = NativeEngine(ARGS, SamplingParams(max_new_tokens=2), eos_ids=[0], seed=0, dtype=torch.float32, device="cpu")
-    engine.model.init_weights()
-    engine.pause()
-    engine.submit([GenerationRequest([1, 2], step=0, prompt_index=0, sample_index=0)])
-    assert engine.poll() == []
-    engine.resume()
-    finished = engine.poll()
-    assert len(finished) == 1 and finished[0].request.prompt_index == 0
-    assert engine.poll() == []

@@ -125,7 +125,8 @@ def test_per_request_budgets_end_each_completion_at_its_own(ref):
     sampling = SamplingParams(max_new_tokens=9, temperature=1.0)
     reqs = [GenerationRequest(p, 0, i, 0, max_new_tokens=1 + i % 9) for i, p in enumerate(prompts(12, seed=3))]
     out = make_engine(ref, sampling, seed=4, eos_ids=()).generate(reqs)
-    full = make_engine(ref, sampling, seed=4, eos_ids=()).generate([GenerationRequest(r.prompt_tokens, 0, r.prompt_index, 0) for r in reqs])
+    unstopped = [GenerationRequest(r.prompt_tokens, 0, r.prompt_index, 0) for r in reqs]
+    full = make_engine(ref, sampling, seed=4, eos_ids=()).generate(unstopped)
     for c, f, r in zip(out, full, reqs):
         assert len(c.tokens) == r.max_new_tokens and c.finish_reason == "length"
         assert c.tokens == f.tokens[: r.max_new_tokens]

@@ -65,7 +65,8 @@ def test_flash_varlen_prefill_matches_reference():
     lengths = [5, 33, 1, 70]
     N, H, Hkv, D = sum(lengths), 8, 2, 64
     q = torch.randn(N, H, D, device=DEVICE, dtype=torch.bfloat16)
-    k, v = torch.randn(N, Hkv, D, device=DEVICE, dtype=torch.bfloat16), torch.randn(N, Hkv, D, device=DEVICE, dtype=torch.bfloat16)
+    k = torch.randn(N, Hkv, D, device=DEVICE, dtype=torch.bfloat16)
+    v = torch.randn(N, Hkv, D, device=DEVICE, dtype=torch.bfloat16)
     cu = torch.tensor([0, 5, 38, 39, 109], device=DEVICE, dtype=torch.int32)
     out = varlen_prefill(q, k, v, cu, max(lengths))
     want = torch.cat([

@@ -7,8 +7,8 @@ import signal
 import subprocess
 import sys
 
-import torch.distributed.checkpoint as dcp
 import torch
+import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 
 from tests.test_e2e import REPO, SHORT, launch, launch_env, metrics

@@ -30,6 +30,7 @@ from tests.dist_utils import one_thread, run_ranks, single_process_group
 from tests.test_engine import EOS, make_engine, ref  # noqa: F401 (ref: a fixture)
 from tests.test_trainer import ADVANTAGES, COMPLETION_LENS, PROMPT_LENS, V, build_model
 
+
 @pytest.fixture(scope="module", autouse=True)
 def _one_thread():
     with one_thread():
@@ -170,7 +171,8 @@ def test_only_the_faulty_minibatch_is_skipped(monkeypatch):
 
         trainer._update = counted_update
         # the fault once the first update is done: in the second minibatch only
-        monkeypatch.setattr(grpo.train.trainer, "policy_loss", poisoned_loss(float("inf"), active=lambda: len(updates_begun) == 1))
+        poisoned = poisoned_loss(float("inf"), active=lambda: len(updates_begun) == 1)
+        monkeypatch.setattr(grpo.train.trainer, "policy_loss", poisoned)
         metrics = trainer.train(batch)
 
     assert len(updates_begun) == 2

@@ -55,16 +55,19 @@ def test_held_out_problems_are_never_trained_on():
     assert trained and not held_out & {p.text for p in trained}
     overlap = {r["text"] for r in gym_records("chain_sum", SUMS, 80, 0)} & held_out
     assert overlap, "the seeds' draws should overlap here, or the test shows nothing"
-    assert [p.text for p in task.train_prompts(2, 8)] == [p.text for p in GymSource(_cfg(steps=10, prompts=8), CharCodes()).train_prompts(2, 8)]
+    again = GymSource(_cfg(steps=10, prompts=8), CharCodes())
+    assert [p.text for p in task.train_prompts(2, 8)] == [p.text for p in again.train_prompts(2, 8)]
 
 
 @pytest.mark.parametrize(
     "path, options, message",
     [
         ("reasoning_gym:chain_summ", {}, r"has no dataset 'chain_summ' \(did you mean 'reasoning_gym:chain_sum'\?\)"),
-        ("reasoning_gym:chain_sum", {"min_digit": 1}, r"data.reasoning_gym.min_digit is not a config key .* \(did you mean 'min_digits'\?\)"),
+        ("reasoning_gym:chain_sum", {"min_digit": 1},
+         r"data.reasoning_gym.min_digit is not a config key .* \(did you mean 'min_digits'\?\)"),
         ("reasoning_gym:chain_sum", {"zzz": 1}, r"\(chain_sum takes: min_terms, max_terms, min_digits"),
-        ("reasoning_gym:chain_sum", {"min_digits": 3, "max_digits": 2}, r"refused by reasoning-gym's 'chain_sum': max_digits must be >= min_digits"),
+        ("reasoning_gym:chain_sum", {"min_digits": 3, "max_digits": 2},
+         r"refused by reasoning-gym's 'chain_sum': max_digits must be >= min_digits"),
     ],
 )
 def test_bad_gym_settings_get_one_line(path, options, message):

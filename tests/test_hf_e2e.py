@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.hf_fixtures import FIXTURE, SYSTEM, build_checkpoint
+from fixtures.hf import FIXTURE, SYSTEM, build_checkpoint
 from tests.test_e2e import REPO, launch, metrics
 
 

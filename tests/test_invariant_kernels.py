@@ -10,7 +10,6 @@ real there (tests/test_bitwise_gpu.py).
 from __future__ import annotations
 
 import importlib.util
-import os
 import subprocess
 import sys
 

@@ -8,10 +8,15 @@ import math
 import pytest
 import torch
 
-from grpo.rollout.episode import ADVANTAGE_STD_EPS, group_advantages
-from grpo.train.loss import clipped_surrogate, token_sum
+from grpo.rollout.episode import ADVANTAGE_STD_EPS, compute_advantages
+from grpo.train.loss import SurrogateTerms, _surrogate
 
 # ------------------------------------------------------------------------------------ group advantages
+
+
+def clipped_surrogate(logprobs, old_logprobs, advantages, eps_low: float, eps_high: float) -> SurrogateTerms:
+    """The plain PPO clip (no dual clip), r = π_θ / π_old."""
+    return _surrogate(logprobs - old_logprobs, advantages, eps_low, eps_high, 0.0)
 
 
 def _advantages_by_hand(rewards: list[float], group_size: int, eps: float) -> list[float]:
@@ -26,7 +31,7 @@ def _advantages_by_hand(rewards: list[float], group_size: int, eps: float) -> li
 
 def test_group_advantages_hand_numbers():
     rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 2.0, 2.0, 2.0, 2.0])
-    adv = group_advantages(rewards, group_size=4)
+    adv = compute_advantages(rewards, group_size=4)
     # group 1: mean 0.25; unbiased std = sqrt((0.75^2 + 3 * 0.25^2) / 3) = sqrt(0.25) = 0.5
     denom = 0.5 + ADVANTAGE_STD_EPS
     expected = [0.75 / denom, -0.25 / denom, -0.25 / denom, -0.25 / denom]
@@ -41,19 +46,19 @@ def test_group_advantages_hand_numbers():
 
 def test_group_advantages_matches_loop_formula():
     rewards = [0.3, 1.7, -0.4, 2.2, 0.0, 0.9, 0.9, 5.0, -1.0]
-    adv = group_advantages(torch.tensor(rewards, dtype=torch.float32), group_size=3)
+    adv = compute_advantages(torch.tensor(rewards, dtype=torch.float32), group_size=3)
     expected = _advantages_by_hand(rewards, 3, ADVANTAGE_STD_EPS)
     for got, want in zip(adv.tolist(), expected):
         assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
     # the eps argument is the one used
-    adv_eps = group_advantages(torch.tensor(rewards), group_size=3, eps=0.5)
+    adv_eps = compute_advantages(torch.tensor(rewards), group_size=3, eps=0.5)
     for got, want in zip(adv_eps.tolist(), _advantages_by_hand(rewards, 3, 0.5)):
         assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
 
 
 def test_group_advantages_group_size_two():
     # two rewards a, b: mean (a+b)/2, unbiased std |a-b|/sqrt(2): advantages +-1/sqrt(2) (minus eps)
-    adv = group_advantages(torch.tensor([3.0, 1.0, 0.0, 4.0]), group_size=2, eps=0.0)
+    adv = compute_advantages(torch.tensor([3.0, 1.0, 0.0, 4.0]), group_size=2, eps=0.0)
     s = 1 / math.sqrt(2)
     assert adv.tolist() == pytest.approx([s, -s, -s, s], rel=1e-6)
 
@@ -162,9 +167,3 @@ def test_clipped_surrogate_broadcasts_sequence_advantages():
 
 def _loss_sym(r: float, a: float) -> float:
     return -min(r * a, min(max(r, 0.8), 1.2) * a)
-
-
-def test_token_sum_respects_mask():
-    per_token = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
-    mask = torch.tensor([[0.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
-    assert float(token_sum(per_token, mask)) == 2.0 + 3.0 + 4.0

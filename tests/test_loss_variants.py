@@ -11,9 +11,7 @@ import pytest
 import torch
 
 from grpo.rollout.episode import (
-    ADVANTAGE_STD_EPS,
     compute_advantages,
-    group_advantages,
     overlong_penalty,
     zero_variance_groups,
 )
@@ -587,15 +585,6 @@ def test_advantages_refuse_unknown_options():
         compute_advantages(torch.tensor(REWARDS), 4, baseline="median")
     with pytest.raises(ValueError, match="scale"):
         compute_advantages(torch.tensor(REWARDS), 4, scale="rank")
-
-
-def test_group_advantages_is_compute_advantages_default():
-    rewards = torch.randn(48, generator=torch.Generator().manual_seed(0))
-    assert torch.equal(group_advantages(rewards, 6), compute_advantages(rewards, 6))
-    assert torch.equal(group_advantages(rewards, 6, eps=0.3), compute_advantages(rewards, 6, eps=0.3))
-    assert torch.equal(
-        compute_advantages(rewards, 6), compute_advantages(rewards, 6, "mean", "group", None, ADVANTAGE_STD_EPS)
-    )
 
 
 def test_overlong_penalty_hand_numbers():

@@ -7,15 +7,14 @@ import sys
 
 import pytest
 
+from grpo.scoring.calls import load_reward, score_chunk
 from rewards import (
     REWARDS,
     RewardError,
     extract_answer,
     format_reward,
     length_penalty,
-    load_reward,
     math_accuracy,
-    score_episodes,
 )
 
 # (completion, reference, expected). Every pair's verdict is mathematically right and math_verify
@@ -187,13 +186,13 @@ def test_load_builtins():
         load_reward("math_acc")
 
 
-def test_score_episodes_with_math_builtins():
+def test_score_chunk_with_math_builtins():
     completions = [r"\boxed{72}", "no idea", "<think>t</think><answer>5</answer>"]
     answers = ["#### 72", "#### 72", "5"]
     args = (["p"] * 3, completions, answers, [{}] * 3)
-    assert score_episodes("math_accuracy", 0, *args) == ([1.0, 0.0, 1.0], None)
-    assert score_episodes("format_reward", 0, *args) == ([0.0, 0.0, 1.0], None)
-    rewards, error = score_episodes("length_penalty", 0, *args)
+    assert score_chunk("math_accuracy", 0, *args) == ([1.0, 0.0, 1.0], None, 0, None)
+    assert score_chunk("format_reward", 0, *args) == ([0.0, 0.0, 1.0], None, 0, None)
+    rewards, error, _, _ = score_chunk("length_penalty", 0, *args)
     assert error is None and all(-1.0 <= r <= 0.0 for r in rewards)
 
 

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpo.observe import metrics as metrics_module
 from grpo.config import MetricsConfig
+from grpo.observe import metrics as metrics_module
 from grpo.observe.flops import flops_per_token, mfu, peak_flops
 from grpo.observe.metrics import MetricsBackendError, MetricsLogger, reduce_across, reduction_of
 from model import ModelArgs, Transformer

@@ -16,6 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import model.logprob_head as logprob_head
+from grpo.engine.cache import SlotCache
 from model import (
     CheckpointError,
     ModelArgs,
@@ -25,10 +26,9 @@ from model import (
     from_hf,
     to_hf,
 )
-from model.attention import packed_attention, sequence_layout
 from model.args import SUPPORTED_ARCHITECTURES, SUPPORTED_ROPE_TYPES
+from model.attention import packed_attention, sequence_layout
 from model.model import rope_inv_freq
-from grpo.engine.cache import SlotCache
 
 transformers = pytest.importorskip("transformers")
 
@@ -536,7 +536,8 @@ def test_packed_attention_equals_each_sequence_alone():
     gen = torch.Generator().manual_seed(5)
     lengths = [4, 1, 9, 2]
     N, H, Hkv, D = sum(lengths), 4, 2, 8
-    q, k, v = torch.randn(1, N, H, D, generator=gen), torch.randn(1, N, Hkv, D, generator=gen), torch.randn(1, N, Hkv, D, generator=gen)
+    q = torch.randn(1, N, H, D, generator=gen)
+    k, v = torch.randn(1, N, Hkv, D, generator=gen), torch.randn(1, N, Hkv, D, generator=gen)
     doc_ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[None]
     out = packed_attention(q, k, v, sequence_layout(doc_ids, (1, N), torch.device("cpu")))
     start = 0

@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 
+from fixtures.hf import build_checkpoint
 from grpo.config import ConfigError, load_config
 from grpo.data.files import PromptDataset
-from grpo.distributed.faults import StartupError, check_output_dir
+from grpo.distributed.preflight import StartupError, check_output_dir
 from grpo.observe.metrics import _Console
-from tests.hf_fixtures import build_checkpoint
 from tests.test_e2e import REPO, command, launch, launch_env
 from tests.test_resume import finish, start, wait_for_step, worker_pids
 
@@ -143,7 +143,7 @@ def test_a_truncated_safetensors_file_is_named_in_one_line(tmp_path):
     ckpt = build_checkpoint(tmp_path / "ckpt")
     weights = ckpt / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:100])
-    data = REPO / "tests" / "fixtures" / "gsm8k_sample.jsonl"
+    data = REPO / "fixtures" / "gsm8k_sample.jsonl"
     result = launch(
         [*FAST, "--eval.num_prompts=2", f"--model.path={ckpt}", f"--data.path={data}",
          '--rewards.functions=["math_accuracy"]', f"--job.output_dir={tmp_path / 'run'}"],
@@ -254,7 +254,7 @@ def test_a_stop_line_starts_on_its_own_line_after_the_progress_bar(monkeypatch):
 
 
 def test_a_missing_model_path_is_reported_as_missing(tmp_path):
-    data = REPO / "tests" / "fixtures" / "gsm8k_sample.jsonl"
+    data = REPO / "fixtures" / "gsm8k_sample.jsonl"
     with pytest.raises(ConfigError, match=r"model.path = '.*nowhere' does not exist"):
         load_config(["--config", str(REPO / "config.toml"), f"--model.path={tmp_path / 'nowhere'}", f"--data.path={data}"])
 

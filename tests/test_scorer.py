@@ -9,8 +9,9 @@ import time
 import pytest
 import torch
 
+from grpo.scoring.calls import load_reward
 from grpo.scoring.scorer import Scorer
-from rewards import RewardError, load_reward, digit_match
+from rewards import RewardError, digit_match
 
 FIXTURES = "tests.fixtures.slow_rewards"
 

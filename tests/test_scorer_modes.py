@@ -40,7 +40,8 @@ def test_batched_and_async_equal_per_episode(num_workers):
 @pytest.mark.parametrize("on_error", ["stop", "zero"])
 def test_batched_wrong_length_names_function(on_error):
     with Scorer([f"{FIXTURES}:batched_wrong_length"], [1.0], timeout_s=30.0, num_workers=0, on_error=on_error) as s:
-        with pytest.raises(RewardError, match=re.escape("batched reward function 'batched_wrong_length' returned 6 rewards for 5 episodes")):
+        wrong = "batched reward function 'batched_wrong_length' returned 6 rewards for 5 episodes"
+        with pytest.raises(RewardError, match=re.escape(wrong)):
             s.score(PROMPTS, COMPLETIONS, ANSWERS, METADATA)
 
 

@@ -187,7 +187,7 @@ def test_two_torchrun_agents_on_one_rendezvous_train_and_resume(tmp_path):
 
 
 def _output_dir_worker(rank: int, world_size: int, root: str, shared: bool) -> str:
-    from grpo.distributed.faults import StartupError, check_shared_output_dir
+    from grpo.distributed.preflight import StartupError, check_shared_output_dir
 
     # Without a shared file system each node sees a folder of its own under the same name.
     path = Path(root) / ("run" if shared or rank == 0 else f"node{rank}/run")

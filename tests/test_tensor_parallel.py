@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from fixtures.shards import tp_shard
 from grpo.engine import GenerationRequest, NativeEngine, SamplingParams
-from grpo.distributed.weight_sync import _slices, shard_box
 from model import ModelArgs, Transformer
 from model.parallelize import (
     tensor_parallel_args,
@@ -26,13 +26,6 @@ SHAPES = {
     "llama": dataclasses.replace(BASE, arch="llama", qk_norm=False, tie_embeddings=False),
     "qwen2-one-kv-head": dataclasses.replace(BASE, arch="qwen2", qk_norm=False, qkv_bias=True, n_kv_heads=1),
 }
-
-
-def tp_shard(name: str, full: torch.Tensor, args: ModelArgs, tp: int, tp_rank: int) -> torch.Tensor:
-    """Rank tp_rank's slice of a whole parameter, by the TP plan's placements."""
-    placements, mesh_shape, coordinate = tensor_parallel_layout(name, args, tp, tp_rank)
-    box = shard_box(full.shape, placements, mesh_shape, coordinate)
-    return full[_slices(box, tuple((0, n) for n in full.shape))]
 
 
 def _reference(args: ModelArgs) -> Transformer:

@@ -21,12 +21,12 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from grpo.config import GRPOConfig, OptimizerConfig
+from grpo.distributed.roles import build_roles
 from grpo.engine import Completion, GenerationRequest
 from grpo.rollout.episode import EpisodeBatch
-from grpo.distributed.roles import build_roles
 from grpo.rollout.generate import episodes_from_completions
-from grpo.train.trainer import Trainer
 from grpo.rollout.transport import assign_groups, exchange_episodes
+from grpo.train.trainer import Trainer
 from model import ModelArgs, Transformer
 from tests.dist_utils import one_thread, run_ranks
 

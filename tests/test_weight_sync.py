@@ -25,10 +25,10 @@ from torch.distributed.tensor.placement_types import Replicate, Shard
 
 import grpo.distributed.weight_sync as weight_sync
 from grpo.config import GRPOConfig, OptimizerConfig
-from grpo.engine import NativeEngine, SamplingParams
 from grpo.distributed.roles import build_roles
-from grpo.train.trainer import Trainer
 from grpo.distributed.weight_sync import WeightSync, intersect, plan_buckets, shard_box
+from grpo.engine import NativeEngine, SamplingParams
+from grpo.train.trainer import Trainer
 from model import ModelArgs, Transformer
 from model.parallelize import parallelize
 from tests.dist_utils import one_thread, run_ranks, single_process_group

@@ -12,11 +12,11 @@ import sys
 from grpo.config.checks import validate_config
 from grpo.config.io import _build_section, _parse_argv, _parse_cli_value, _read_toml, config_to_toml, write_resolved_config
 from grpo.config.sections import (
+    _SECTIONS,
+    _TYPES,
     ASYNC_TIS_CAP,
     AUTO_TIS_CAP,
     DEFAULT_CONFIG_PATH,
-    _SECTIONS,
-    _TYPES,
     CheckpointConfig,
     Config,
     ConfigError,

@@ -4,9 +4,7 @@ process group exists and reported as one ConfigError line naming the key."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
-
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from grpo.config.io import _toml_value
 from grpo.config.sections import _CHOICES, AUTO_TIS_CAP, Config, ConfigError
@@ -18,6 +16,25 @@ if TYPE_CHECKING:
 
 def validate_config(cfg: Config, world_size: int) -> None:
     """Raise ConfigError naming the first impossible setting, including rank-layout ones."""
+    _check_choices(cfg)
+    _check_paths(cfg)
+    _check_model(cfg)
+    _check_data(cfg)
+    _check_generation(cfg)
+    _check_grpo(cfg)
+    _check_rewards(cfg)
+    _check_optimizer(cfg)
+    _check_training(cfg)
+    _check_eval(cfg)
+    _check_checkpoint(cfg)
+    _check_metrics(cfg)
+    _check_bitwise(cfg)  # before vLLM's: with vLLM it is a contradiction, whether or not vLLM is installed
+    _check_vllm(cfg)
+    _check_parallelism(cfg, world_size)
+
+
+def _check_choices(cfg: Config) -> None:
+    """Settings that take one of a few words (their Literal types)."""
     for key, allowed in _CHOICES.items():
         section, name = key.split(".")
         value = getattr(getattr(cfg, section), name)
@@ -25,6 +42,9 @@ def validate_config(cfg: Config, world_size: int) -> None:
             choices = ", ".join(map(_toml_value, allowed))
             raise ConfigError(f"config key '{key}' must be one of {choices}; got {_toml_value(value)}")
 
+
+def _check_paths(cfg: Config) -> None:
+    """model.path and data.path: present together, existing, of the right kind."""
     m = cfg.model
     if bool(m.path) != bool(cfg.data.path):
         raise ConfigError(
@@ -50,6 +70,11 @@ def validate_config(cfg: Config, world_size: int) -> None:
             "grpo.dynamic_sampling with data.path is not supported yet (extra rounds could redraw a "
             "prompt of the same step); use it with the built-in tasks"
         )
+
+
+def _check_model(cfg: Config) -> None:
+    """The built-in shape: positive sizes, heads that split the width into even RoPE pairs."""
+    m = cfg.model
     _require(cfg.data.max_prompt_tokens >= 1, "data.max_prompt_tokens", cfg.data.max_prompt_tokens, "must be >= 1")
     for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim"):
         _require(getattr(m, name) >= 1, f"model.{name}", getattr(m, name), "must be >= 1")
@@ -59,12 +84,19 @@ def validate_config(cfg: Config, world_size: int) -> None:
     if m.dim // m.n_heads % 2:
         raise ConfigError(f"model.dim / model.n_heads = {m.dim // m.n_heads} must be even (RoPE rotates pairs)")
 
+
+def _check_data(cfg: Config) -> None:
+    """[data]: batch size and the built-in task's digit range."""
     d = cfg.data
     _require(d.prompts_per_step >= 1, "data.prompts_per_step", d.prompts_per_step, "must be >= 1")
     _require(d.digits_min >= 1, "data.digits_min", d.digits_min, "must be >= 1")
     digits_why = f"must not exceed data.digits_max = {d.digits_max}"
     _require(d.digits_min <= d.digits_max, "data.digits_min", d.digits_min, digits_why)
 
+
+def _check_generation(cfg: Config) -> None:
+    """[generation]: sampling, lengths and the KV cache budget."""
+    d = cfg.data
     g = cfg.generation
     _require(g.max_new_tokens >= 1, "generation.max_new_tokens", g.max_new_tokens, "must be >= 1")
     _require(
@@ -88,7 +120,10 @@ def validate_config(cfg: Config, world_size: int) -> None:
     _require(0 < g.kv_cache_fraction <= 1, "generation.kv_cache_fraction", g.kv_cache_fraction, "must be in (0, 1]")
     _require(g.sync_every >= 1, "generation.sync_every", g.sync_every, "must be >= 1")
 
-    p = cfg.grpo
+
+def _check_grpo(cfg: Config) -> None:
+    """[grpo]: group size, clipping, penalties and filtering."""
+    p, g = cfg.grpo, cfg.generation
     _require(
         p.group_size >= 2,
         "grpo.group_size",
@@ -127,6 +162,11 @@ def validate_config(cfg: Config, world_size: int) -> None:
         "must be >= 1",
     )
 
+    _require(p.entropy_coef >= 0, "grpo.entropy_coef", p.entropy_coef, "must be >= 0")
+
+
+def _check_rewards(cfg: Config) -> None:
+    """[rewards]: at least one function, one weight each, a timeout."""
     r = cfg.rewards
     _require(len(r.functions) >= 1, "rewards.functions", r.functions, "must name at least one reward function")
     _require(
@@ -138,6 +178,9 @@ def validate_config(cfg: Config, world_size: int) -> None:
     _require(r.timeout_s > 0, "rewards.timeout_s", r.timeout_s, "must be > 0")
     _require(r.num_workers >= 0, "rewards.num_workers", r.num_workers, "must be >= 0")
 
+
+def _check_optimizer(cfg: Config) -> None:
+    """[optimizer]: AdamW's constants and the learning-rate schedule."""
     o = cfg.optimizer
     _require(o.lr > 0, "optimizer.lr", o.lr, "must be > 0")
     betas_ok = len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas)
@@ -148,7 +191,10 @@ def validate_config(cfg: Config, world_size: int) -> None:
     _require(0 <= o.min_lr_ratio <= 1, "optimizer.min_lr_ratio", o.min_lr_ratio, "must be in [0, 1]")
     _require(o.max_grad_norm >= 0, "optimizer.max_grad_norm", o.max_grad_norm, "must be >= 0 (0 = off)")
 
-    t = cfg.training
+
+def _check_training(cfg: Config) -> None:
+    """[training]: length, micro-batch budget, and what the async schedule cannot do."""
+    t, p = cfg.training, cfg.grpo
     _require(t.steps >= 1, "training.steps", t.steps, "must be >= 1")
     longest = cfg.data.max_prompt_tokens + cfg.generation.max_new_tokens
     _require(
@@ -158,21 +204,6 @@ def validate_config(cfg: Config, world_size: int) -> None:
         f"must hold the longest episode: data.max_prompt_tokens + generation.max_new_tokens = {longest}",
     )
 
-    e = cfg.eval
-    _require(e.every >= 0, "eval.every", e.every, "must be >= 0 (0 = only at step 0 and the end)")
-    _require(p.entropy_coef >= 0, "grpo.entropy_coef", p.entropy_coef, "must be >= 0")
-    _require(e.num_prompts >= 1, "eval.num_prompts", e.num_prompts, "must be >= 1")
-    _require(e.samples >= 1, "eval.samples", e.samples, "must be >= 1 (1 = greedy)")
-    c = cfg.checkpoint
-    _require(c.export_hf_every >= 0, "checkpoint.export_hf_every", c.export_hf_every, "must be >= 0 (0 = export only at the end)")
-    _require(c.every >= 0, "checkpoint.every", c.every, "must be >= 0 (0 = only at the end)")
-    _require(c.keep >= 0, "checkpoint.keep", c.keep, "must be >= 0 (0 = keep all)")
-    _require(
-        c.resume in ("auto", "none") or Path(c.resume).is_dir(),
-        "checkpoint.resume",
-        c.resume,
-        'must be "auto", "none" or an existing checkpoint folder',
-    )
     _require(t.max_bad_steps >= 1, "training.max_bad_steps", t.max_bad_steps, "must be >= 1")
     _require(t.max_staleness >= 1, "training.max_staleness", t.max_staleness, "must be >= 1")
     if t.schedule == "async":
@@ -186,14 +217,41 @@ def validate_config(cfg: Config, world_size: int) -> None:
                 'grpo.dynamic_sampling with training.schedule = "async" is not supported: each extra round '
                 "waits for the scores of the one before, which serialises the two roles"
             )
+
+
+def _check_eval(cfg: Config) -> None:
+    """[eval]: how often and on how many held-out prompts."""
+    e = cfg.eval
+    _require(e.every >= 0, "eval.every", e.every, "must be >= 0 (0 = only at step 0 and the end)")
+    _require(e.num_prompts >= 1, "eval.num_prompts", e.num_prompts, "must be >= 1")
+    _require(e.samples >= 1, "eval.samples", e.samples, "must be >= 1 (1 = greedy)")
+
+
+def _check_checkpoint(cfg: Config) -> None:
+    """[checkpoint]: periods, retention and what to resume from."""
+    c = cfg.checkpoint
+    _require(c.export_hf_every >= 0, "checkpoint.export_hf_every", c.export_hf_every, "must be >= 0 (0 = export only at the end)")
+    _require(c.every >= 0, "checkpoint.every", c.every, "must be >= 0 (0 = only at the end)")
+    _require(c.keep >= 0, "checkpoint.keep", c.keep, "must be >= 0 (0 = keep all)")
+    _require(
+        c.resume in ("auto", "none") or Path(c.resume).is_dir(),
+        "checkpoint.resume",
+        c.resume,
+        'must be "auto", "none" or an existing checkpoint folder',
+    )
+
+
+def _check_metrics(cfg: Config) -> None:
+    """[metrics]: samples and the MFU peak."""
     mt = cfg.metrics
     _require(mt.samples_every >= 0, "metrics.samples_every", mt.samples_every, "must be >= 0 (0 = never)")
     _require(mt.samples_prompts >= 1, "metrics.samples_prompts", mt.samples_prompts, "must be >= 1")
     _require(mt.peak_tflops >= 0, "metrics.peak_tflops", mt.peak_tflops, "must be >= 0 (0 = built-in table)")
 
-    _check_bitwise(cfg)  # first: with vLLM it is a contradiction, whether or not vLLM is installed
-    _check_vllm(cfg)
-    prompts = d.prompts_per_step
+
+def _check_parallelism(cfg: Config, world_size: int) -> None:
+    """[parallelism]: the rank layout for world_size ranks, and batches that split evenly over it."""
+    prompts, p = cfg.data.prompts_per_step, cfg.grpo
     par = cfg.parallelism
     _require(par.weight_bucket_mb >= 1, "parallelism.weight_bucket_mb", par.weight_bucket_mb, "must be >= 1")
     _require(par.collective_timeout_s > 0, "parallelism.collective_timeout_s", par.collective_timeout_s, "must be > 0")

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import tomllib
 import typing
 from pathlib import Path
 from typing import Any
-
-import tomllib
 
 from grpo.config.sections import _ALL_KEYS, _SECTIONS, _TYPES, DEFAULT_CONFIG_PATH, Config, ConfigError
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import random
+import typing
 
+from grpo.config.sections import DigitTaskName
 from grpo.data.prompt import Prompt
 
 
@@ -49,7 +51,7 @@ class DigitTask:
     Training prompts for step s depend only on (seed, s), so any rank can rebuild any step's batch.
     """
 
-    KINDS = ("copy_digits", "reverse_digits")
+    KINDS = typing.get_args(DigitTaskName)
     # Prompt indices key sampling noise as 32-bit values: rounds sit 2**27 apart below 2**32
     # (room for 2**27 prompts per round: steps * prompts_per_step).
     EXTRA_ROUND_OFFSET = 2**27

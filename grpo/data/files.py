@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import json
 import random
+import typing
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from grpo.config.sections import TooLong
 from grpo.data.prompt import Prompt
 from grpo.data.tokenizer import HFTokenizer
 
@@ -195,12 +197,12 @@ class PromptDataset:
         template: str = "",
         use_chat_template: bool = True,
         enable_thinking: bool | None = None,
-        too_long: str = "skip",
+        too_long: TooLong = "skip",
         seed: int = 0,
         num_held_out: int = 0,
     ):
-        if too_long not in ("skip", "error"):
-            raise ValueError(f"too_long must be 'skip' or 'error', got {too_long!r}")
+        if too_long not in typing.get_args(TooLong):
+            raise ValueError(f"too_long must be one of {typing.get_args(TooLong)}, got {too_long!r}")
         if max_prompt_tokens <= 0:
             raise ValueError(f"max_prompt_tokens must be positive, got {max_prompt_tokens}")
         if not records:
@@ -248,11 +250,6 @@ class PromptDataset:
         return len(self._train)
 
     @property
-    def training_prompts(self) -> list[Prompt]:
-        """The training prompts (held-out and skipped ones excluded), in file order."""
-        return list(self._train)
-
-    @property
     def eval_prompts(self) -> list[Prompt]:
         """The held-out prompts, in file order ([] until `held_out` is called)."""
         return list(self._eval)
@@ -274,10 +271,6 @@ class PromptDataset:
         self._train = [p for i, p in enumerate(self.prompts) if i not in held]
         self._num_held_out = n
         return self.eval_prompts
-
-    def epoch_order(self, epoch: int, count: int = 1, round_index: int = 0) -> list[Prompt]:
-        """The training prompts of one epoch, in batch order (for batches of `count`)."""
-        return [self._train[i] for i in self._order(epoch, count, round_index)]
 
     def _order(self, epoch: int, count: int, round_index: int) -> list[int]:
         cache = self._orders.setdefault((count, round_index), {})

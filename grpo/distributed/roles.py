@@ -1,10 +1,9 @@
 """Who does what: the generator and trainer ranks of one launch, their meshes and process groups.
 
-split:     ranks [0, g) generate, ranks [g, world) train. Each side gets its own DeviceMesh (FSDP2
-           runs over the trainer mesh), consecutive generator ranks form tensor-parallel groups of
-           generator_tp, one engine each, and
-           episodes, weights and control messages each get their own process groups, so one kind
-           of traffic never queues behind another.
+split:     ranks [0, g) generate, ranks [g, world) train. The trainer ranks get a DeviceMesh (FSDP2
+           runs over it), consecutive generator ranks form tensor-parallel groups of generator_tp,
+           one engine each, and episodes, weights and control messages each get their own process
+           groups, so one kind of traffic never queues behind another.
 colocated: every rank generates and then trains; one mesh over the world.
 """
 
@@ -20,13 +19,12 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 @dataclass
 class Roles:
-    """This rank's role and the communication it needs. Meshes are None on ranks outside them."""
+    """This rank's role and the communication it needs. trainer_mesh is None on generator ranks."""
 
     mode: str
     rank: int
     generator_ranks: list[int]
     trainer_ranks: list[int]
-    generator_mesh: DeviceMesh | None
     trainer_mesh: DeviceMesh | None
     # all ranks: episodes travel generator -> trainer point to point here
     episode_group: dist.ProcessGroup | None
@@ -92,7 +90,7 @@ def build_roles(
     if mode == "colocated":
         mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("trainer",))
         everyone = list(range(world))
-        return Roles(mode, rank, everyone, everyone, mesh, mesh, None, None, [])
+        return Roles(mode, rank, everyone, everyone, mesh, None, None, [])
     if mode != "split":
         raise ValueError(f"unknown parallelism.mode {mode!r}; expected 'split' or 'colocated'")
     if not 1 <= generator_ranks < world:
@@ -104,7 +102,6 @@ def build_roles(
         raise ValueError(f"parallelism.generator_tp = {generator_tp} does not divide {generator_ranks} generator ranks")
     generators = list(range(generator_ranks))
     trainers = list(range(generator_ranks, world))
-    generator_group = dist.new_group(generators, timeout=timeout)
     trainer_group = dist.new_group(trainers, timeout=timeout)
     episode_group = dist.new_group(list(range(world)), timeout=timeout)
     control_group = dist.new_group(list(range(world)), timeout=timeout)
@@ -115,12 +112,9 @@ def build_roles(
             group = dist.new_group(generators[start : start + generator_tp], timeout=timeout)
             if start <= rank < start + generator_tp:
                 tp_group = group
-    generator_mesh = trainer_mesh = None
-    if rank in generators:
-        generator_mesh = DeviceMesh.from_group(generator_group, device.type, mesh_dim_names=("generator",))
-    else:
+    trainer_mesh = None
+    if rank in trainers:
         trainer_mesh = DeviceMesh.from_group(trainer_group, device.type, mesh_dim_names=("trainer",))
     return Roles(
-        mode, rank, generators, trainers, generator_mesh, trainer_mesh, episode_group, control_group, weight_groups,
-        generator_tp, tp_group,
+        mode, rank, generators, trainers, trainer_mesh, episode_group, control_group, weight_groups, generator_tp, tp_group
     )

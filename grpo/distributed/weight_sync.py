@@ -1,11 +1,12 @@
 """Trainer -> generator weight sync, in memory, in fixed-size buckets.
 
 The trainer's parameters are DTensors sharded by FSDP2 over the trainer mesh; the generator's are
-laid out over the generator mesh by their own placements: replicated, or the tensor-parallel
-shards of model/parallelize.py's plan (column and row splits, K/V heads replicated within a group). `redistribute` cannot cross meshes, so the route is computed explicitly: every shard is a
-box of index ranges derived from (global shape, placements, mesh shape, coordinate) with
-`torch.chunk` semantics, the same rule FSDP2 uses for uneven first dimensions. Both sides compute
-the same bucket plan from parameter shapes alone, so no metadata travels at sync time.
+laid out over the generator mesh by their own placements: replicated, or the tensor-parallel shards
+of model/parallelize.py's plan (column and row splits, K/V heads replicated within a group).
+`redistribute` cannot cross meshes, so the route is computed explicitly: every shard is a box of
+index ranges derived from (global shape, placements, mesh shape, coordinate) with `torch.chunk`
+semantics, the same rule FSDP2 uses for uneven first dimensions. Both sides compute the same bucket
+plan from parameter shapes alone, so no metadata travels at sync time.
 
 Each trainer rank casts its own shards to the generator dtype into a bucket buffer and broadcasts
 it over a process group that joins it with every generator rank; each generator copies the

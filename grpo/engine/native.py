@@ -44,10 +44,9 @@ from model.parallelize import apply_tensor_parallel, compile_blocks, tensor_para
 class NativeEngine:
     """Generates completions with its own copy of the model, in its own dtype and buffers.
 
-    Interface: `submit(requests)` queues, `poll()` runs everything queued and returns the finished
-    completions in submission order, `generate(requests)` does both; `update_weights(buckets,
-    version)` copies new weights into the existing parameters; `pause()` / `resume()` hold and
-    release the queue; `close()`.
+    Interface (`Engine`, types.py) and its queue: `submit(requests)` queues, `poll()` runs everything
+    queued and returns the finished completions in submission order, `generate(requests)` does both;
+    `update_weights(buckets, version)` copies new weights into the existing parameters; `close()`.
 
     max_seq_len: a slot's capacity (prompt + completion), allocated once; None = sized at each poll
         to the longest request seen so far (the cache is reallocated when a longer one comes).
@@ -114,7 +113,6 @@ class NativeEngine:
         if max_seq_len is not None:
             self._allocate(max_seq_len)
         self.version = -1
-        self.paused = False
         self.peak_active = 0
         self._in_flight = 0
         self._queue: list[tuple[GenerationRequest, SamplingParams]] = []
@@ -180,13 +178,6 @@ class NativeEngine:
         """Queue requests, sampled with `sampling` (default: the engine's)."""
         self._queue.extend((r, sampling or self.sampling) for r in requests)
 
-    def pause(self) -> None:
-        """Hold queued requests: poll() returns nothing until resume() (e.g. while weights change)."""
-        self.paused = True
-
-    def resume(self) -> None:
-        self.paused = False
-
     def generate(self, requests: Iterable[GenerationRequest], sampling: SamplingParams | None = None) -> list[Completion]:
         self.submit(requests, sampling)
         return self.poll()
@@ -198,8 +189,6 @@ class NativeEngine:
 
     def poll(self) -> list[Completion]:
         """Run every queued request to completion; runs of equal sampling params share batches."""
-        if self.paused:
-            return []
         queued, self._queue = self._queue, []
         if queued and self.cache is not None and self.cache.kv_released:
             try:

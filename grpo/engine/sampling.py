@@ -85,6 +85,6 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
 
         return chunk_stats_triton(logits.contiguous(), tokens, temperature)[0]
     if batch_invariant.enabled():
-        return batch_invariant.in_blocks(lambda l, t: chunk_stats(l, t, temperature)[0], logits, tokens)
+        return batch_invariant.in_blocks(lambda rows, t: chunk_stats(rows, t, temperature)[0], logits, tokens)
     scaled = logits / temperature
     return scaled.gather(-1, tokens[:, None]).squeeze(-1) - torch.logsumexp(scaled, dim=-1)

@@ -1,17 +1,21 @@
-"""What goes into and comes out of an engine: requests, sampling parameters, completions."""
+"""What goes into and comes out of an engine (requests, sampling parameters, completions), and the
+`Engine` interface both engines satisfy."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
+
+from grpo.errors import TandemError
 
 # (parameter name, index into it as a tuple of slices, values): one piece of a weight update.
 WeightUpdate = tuple[str, tuple[slice, ...], torch.Tensor]
 
 
-class GenerationOutOfMemory(RuntimeError):
+class GenerationOutOfMemory(TandemError, RuntimeError):
     """A single request does not fit in the generator's memory (its prompt plus max_new_tokens)."""
 
 
@@ -65,3 +69,33 @@ def stop_length(
         if any(stop in text for stop in stop_strings):
             return n
     return None
+
+
+class Engine(Protocol):
+    """What the run asks of a generation engine (NativeEngine, VLLMEngine).
+
+    `version` is the weight version of the last `update_weights` (-1 before the first); every
+    completion carries the version that generated it.
+    """
+
+    version: int
+
+    def generate(self, requests: Iterable[GenerationRequest], sampling: SamplingParams | None = None) -> list[Completion]:
+        """Every request run to completion, in request order; `sampling` defaults to the engine's."""
+        ...
+
+    def update_weights(self, buckets: Iterable[Iterable[WeightUpdate]], version: int) -> None:
+        """`param[index] = tensor` for each (name, index, tensor) update, bucket by bucket."""
+        ...
+
+    def release_cache(self) -> None:
+        """Free the KV cache's memory for a colocated trainer; the next generate brings it back."""
+        ...
+
+    def outside_bytes(self) -> int:
+        """Device memory held outside PyTorch's allocator (counted in the run's peak memory)."""
+        ...
+
+    def close(self) -> None:
+        """Free what the engine holds; it is not used again."""
+        ...

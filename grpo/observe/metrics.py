@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from grpo.config import MetricsConfig
+from grpo.errors import TandemError
 
 # How each metric combines across ranks. A key is looked up exactly first, then by its prefix up to
 # and including the first "/".
@@ -71,7 +72,7 @@ _BAR_WIDTH = 24
 _SAMPLE_COLUMNS = ("prompt", "completion", "reward", "advantage", "finish")
 
 
-class MetricsBackendError(RuntimeError):
+class MetricsBackendError(TandemError, RuntimeError):
     """A metrics backend is switched on but its package is missing; the message is one line."""
 
 

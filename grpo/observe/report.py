@@ -19,6 +19,8 @@ from typing import Any
 
 from matplotlib.figure import Figure
 
+from grpo.errors import TandemError
+
 # (title, [(metric key, legend label)], kind). Kinds: "train" = a line per step with a rolling mean
 # over it, "eval" = markers at the (sparse) eval steps, "twin" = a second y axis for the second
 # series (KL is orders of magnitude below entropy), "stack" = stacked areas with the step total.
@@ -43,7 +45,7 @@ _PANELS: tuple[tuple[str, tuple[tuple[str, str], ...], str], ...] = (
 _STEP_TOTAL = "time/step_s"
 
 
-class ReportError(Exception):
+class ReportError(TandemError):
     """Nothing to report; the message is one line for the user."""
 
 

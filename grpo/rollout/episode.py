@@ -6,17 +6,20 @@ episodes is a set of right-padded tensors, so it can cross process boundaries as
 
 from __future__ import annotations
 
+import typing
 from dataclasses import dataclass, fields
 
 import torch
+
+from grpo.config.sections import Baseline, RewardScaling
 
 # Added to the group's standard deviation so that a group whose rewards are all equal gets zero
 # advantages instead of 0 / 0.
 ADVANTAGE_STD_EPS = 1e-4
 
 # Advantage options (compute_advantages): what is subtracted from a reward, and what divides the difference.
-SCALE_REWARDS = ("group", "batch", "none")
-BASELINES = ("mean", "leave_one_out")
+SCALE_REWARDS = typing.get_args(RewardScaling)
+BASELINES = typing.get_args(Baseline)
 
 
 @dataclass
@@ -96,14 +99,6 @@ def compute_advantages(
             raise ValueError("scale='batch' needs batch_std, the std of the rewards over the whole batch")
         centred = centred / (batch_std + eps)
     return centred.reshape(-1)
-
-
-def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = ADVANTAGE_STD_EPS) -> torch.Tensor:
-    """(r - mean(group)) / (std(group) + eps) for rewards [N] laid out group by group.
-
-    std is the unbiased (n - 1) estimate over the group's G rewards.
-    """
-    return compute_advantages(rewards, group_size, eps=eps)
 
 
 def overlong_penalty(

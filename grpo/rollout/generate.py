@@ -1,16 +1,12 @@
-"""One RL step's data path: prompts -> engine -> episodes (generator side) and
-episodes -> Scorer -> rewards and group advantages (trainer side)."""
+"""The generator side of a step: prompts -> engine requests -> completions -> an EpisodeBatch."""
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import torch
 
 from grpo.data.prompt import Prompt
-from grpo.engine import Completion, GenerationRequest, NativeEngine, SamplingParams
+from grpo.engine import Completion, Engine, GenerationRequest, SamplingParams
 from grpo.rollout.episode import EpisodeBatch
-from grpo.scoring.scorer import Scorer
 
 
 def generate_requests(prompts: list[Prompt], group_size: int, step: int) -> list[GenerationRequest]:
@@ -50,7 +46,7 @@ def episodes_from_completions(completions: list[Completion], pad_id: int) -> Epi
 
 
 def generate_episodes(
-    engine: NativeEngine,
+    engine: Engine,
     prompts: list[Prompt],
     group_size: int,
     step: int,
@@ -60,21 +56,3 @@ def generate_episodes(
     """group_size completions of each prompt, as episodes laid out group by group."""
     return episodes_from_completions(engine.generate(generate_requests(prompts, group_size, step), sampling), pad_id)
 
-
-def score_episodes(
-    scorer: Scorer,
-    episodes: EpisodeBatch,
-    prompts: dict[int, Prompt],
-    decode: Callable[[list[int]], str],
-    defaults: dict | None = None,
-) -> dict[str, float]:
-    """Fill episodes.rewards; returns each reward function's sum over these episodes.
-
-    defaults: metadata every reward call sees unless the prompt's own metadata overrides it
-    (e.g. "format_pattern" for format_reward)."""
-    owners = [prompts[int(i)] for i in episodes.prompt_index]
-    texts = [decode(episodes.completion(i)) for i in range(len(episodes))]
-    metadata = [{**(defaults or {}), **p.metadata} for p in owners]
-    scored = scorer.score([p.text for p in owners], texts, [p.answer for p in owners], metadata)
-    episodes.rewards = scored.total
-    return {name: float(values.sum()) for name, values in scored.per_function.items()}

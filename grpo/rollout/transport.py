@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from grpo.rollout.episode import EpisodeBatch
 from grpo.distributed.roles import Roles
+from grpo.rollout.episode import EpisodeBatch
 
 # Per-episode header columns in the int64 message, before the token ids.
 _HEADER = ("prompt_lens", "completion_lens", "truncated", "version", "prompt_index", "sample_index")

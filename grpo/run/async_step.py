@@ -22,17 +22,18 @@ import time
 
 import torch.distributed as dist
 
+from grpo.distributed.collectives import all_reduce
 from grpo.rollout.episode import EpisodeBatch
-from grpo.run.rank import Run, reduce
+from grpo.run.rank import Run
 
 
-class AsyncSchedule:
+class AsyncSteps:
     """The generation batches in flight on this rank and the async step that consumes them."""
 
-    def __init__(self, job: Run):
-        self.job = job
-        self.lag = job.cfg.training.max_staleness
-        self.steps = job.cfg.training.steps
+    def __init__(self, run: Run):
+        self.run = run
+        self.lag = run.cfg.training.max_staleness
+        self.steps = run.cfg.training.steps
         # step -> (this generator's episodes of that step, seconds they took); empty on trainer ranks
         self.inflight: dict[int, tuple[EpisodeBatch | None, float]] = {}
 
@@ -46,32 +47,32 @@ class AsyncSchedule:
             self._generate(step)
 
     def step(self, step: int, with_samples: bool = False) -> tuple[dict[str, float], list[dict]]:
-        """One async step; returns what `steps.sync_step` returns."""
-        job, cfg = self.job, self.job.cfg
+        """One async step; returns what `sync_step.sync_step` returns."""
+        run, cfg = self.run, self.run.cfg
         start = time.perf_counter()
-        prompts = job.source.train_prompts(step, cfg.data.prompts_per_step)
+        prompts = run.source.train_prompts(step, cfg.data.prompts_per_step)
         batch, generate_s = self.inflight.pop(step, (None, 0.0))
-        episodes, generate_s = job.deliver(batch, len(prompts), generate_s)
+        episodes, generate_s = run.deliver(batch, len(prompts), generate_s)
 
         if step + self.lag <= self.steps:
             self._generate(step + self.lag)
 
         reward_sums, failure, train_metrics, score_s, train_s = {}, None, {}, 0.0, 0.0
-        if job.roles.is_trainer:
+        if run.roles.is_trainer:
             score_start = time.perf_counter()
-            reward_sums, failure = job.score_locally(episodes, prompts)
+            reward_sums, failure = run.score_locally(episodes, prompts)
             if failure is None:
-                train_batch, _ = job.advantages(episodes)
+                train_batch, _ = run.advantages(episodes)
                 train_start = time.perf_counter()
                 score_s = train_start - score_start
-                with job.waiting(f"the other {job.peers()[1]} (FSDP collectives)"):
-                    train_metrics = job.trainer.train(train_batch)
+                with run.waiting(f"the other {run.peers()[1]} (FSDP collectives)"):
+                    train_metrics = run.trainer.train(train_batch)
                 train_s = time.perf_counter() - train_start
-        with job.waiting("every rank's part of the step (generation, scoring, training)"):
-            failed = reduce({"failed": float(failure is not None)}, None, dist.ReduceOp.MAX)["failed"]
-        job.stop_if_failed(failure, failed)
-        sync_s = job.sync_weights(step)
-        if not job.roles.is_trainer:
+        with run.waiting("every rank's part of the step (generation, scoring, training)"):
+            failed = all_reduce({"failed": float(failure is not None)}, None, dist.ReduceOp.MAX)["failed"]
+        run.stop_if_failed(failure, failed)
+        sync_s = run.sync_weights(step)
+        if not run.roles.is_trainer:
             return {}, []
         times = {
             "time/generate_s": generate_s,
@@ -80,13 +81,13 @@ class AsyncSchedule:
             "time/weight_sync_s": sync_s,
             "time/step_s": time.perf_counter() - start,
         }
-        metrics, _ = job.step_metrics(step, episodes, reward_sums, train_metrics, times)
-        samples = job.samples(episodes, {p.index: p for p in prompts}) if with_samples else []
+        metrics, _ = run.step_metrics(step, episodes, reward_sums, train_metrics, times)
+        samples = run.samples(episodes, {p.index: p for p in prompts}) if with_samples else []
         return metrics, samples
 
     def _generate(self, step: int) -> None:
         """Generate the batch of `step` on generator ranks with the weights they hold now."""
-        job = self.job
-        if job.roles.is_generator:
-            prompts = job.source.train_prompts(step, job.cfg.data.prompts_per_step)
-            self.inflight[step] = job.generate(prompts, job.cfg.grpo.group_size, step)
+        run = self.run
+        if run.roles.is_generator:
+            prompts = run.source.train_prompts(step, run.cfg.data.prompts_per_step)
+            self.inflight[step] = run.generate(prompts, run.cfg.grpo.group_size, step)

@@ -11,6 +11,14 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from grpo.config import Config
+from grpo.distributed.collectives import all_reduce
+from grpo.distributed.faults import GracefulStop, restart_count
+from grpo.observe.metrics import MetricsLogger
+from grpo.observe.report import render_report
+from grpo.run.async_step import AsyncSteps
+from grpo.run.rank import Run, TrainingDiverged
+from grpo.run.sync_step import evaluate, sync_step
 from grpo.train.checkpoint import (
     CheckpointMismatch,
     checkpoint_root,
@@ -18,16 +26,9 @@ from grpo.train.checkpoint import (
     load_inflight,
     save_checkpoint,
 )
-from grpo.config import Config
-from grpo.distributed.faults import GracefulStop, restart_count
-from grpo.run.rank import Run, TrainingDiverged, reduce
-from grpo.observe.metrics import MetricsLogger
-from grpo.run.async_step import AsyncSchedule
-from grpo.observe.report import render_report
-from grpo.run.sync_step import evaluate, sync_step
 
 
-def run_loop(cfg: Config, job: Run, resume: Path | None = None, stop: GracefulStop | None = None) -> None:
+def run_loop(cfg: Config, run: Run, resume: Path | None = None, stop: GracefulStop | None = None) -> None:
     """Sync weights, evaluate, then training steps with checkpoints, exports and a final evaluation.
 
     Every step ends at a boundary all ranks agree on: whether a stop signal arrived on any rank and
@@ -35,75 +36,46 @@ def run_loop(cfg: Config, job: Run, resume: Path | None = None, stop: GracefulSt
     bad steps in a row save one and raise TrainingDiverged.
     """
     start = time.perf_counter()
-    roles = job.roles
-    is_leader = roles.rank == roles.leader
-    root = checkpoint_root(cfg.job.output_dir)
-    start_step, bad_steps, evals = 0, 0, {}
-    pipeline = AsyncSchedule(job) if cfg.training.schedule == "async" else None
-    inflight = None
-    if resume is not None:
-        state = load_checkpoint(resume, job.trainer, job.trainer_group)
-        _check_same_schedule(cfg, resume, state, dist.get_world_size())
-        start_step, bad_steps, evals = state["step"], state["bad_steps"], state["evals"]
-        inflight = load_inflight(resume) if pipeline is not None else None
-        if is_leader:
-            _announce_resume(cfg, resume, state)
+    is_leader = run.roles.rank == run.roles.leader
+    async_steps = AsyncSteps(run) if cfg.training.schedule == "async" else None
+    start_step, bad_steps, evals, inflight = _resume(cfg, run, resume, async_steps is not None)
     logger = MetricsLogger(
         cfg.job.output_dir, is_leader, cfg.metrics, cfg.training.steps, start_step, dataclasses.asdict(cfg)
     )
     if is_leader:
-        _announce_mfu(job)
-
-    def save(step: int) -> Path:
-        run_state = {"step": step, "policy_version": step, "data_position": _data_position(cfg, step)}
-        run_state.update(bad_steps=bad_steps, evals=evals, schedule=_schedule_of(cfg))
-        with job.waiting("the checkpoint save on every rank"):
-            return save_checkpoint(
-                root, step, job.trainer, job.trainer_group, run_state, is_leader, cfg.checkpoint.keep,
-                inflight=pipeline.inflight if pipeline is not None and roles.is_generator else None,
-            )
-
+        _announce_mfu(run)
     with logger:
-        job.sync_weights(version=start_step)
+        run.sync_weights(version=start_step)
         if start_step == 0:
-            first = evaluate(job)
+            first = evaluate(run)
             evals = {"first": first, "last": first}
             logger.log(0, first)
         elif start_step >= cfg.training.steps and is_leader:
             print(f"nothing to do: {resume} is at step {start_step} of training.steps = {cfg.training.steps}", flush=True)
-        if pipeline is not None:
-            pipeline.prime(start_step, inflight)
-        take_step = functools.partial(sync_step, job) if pipeline is None else pipeline.step
+        if async_steps is not None:
+            async_steps.prime(start_step, inflight)
+        take_step = functools.partial(sync_step, run) if async_steps is None else async_steps.step
         for step in range(start_step + 1, cfg.training.steps + 1):
             metrics, samples = take_step(step, with_samples=_every(cfg.metrics.samples_every, step))
             if samples:
                 logger.log_samples(step, samples)
             last_step = step == cfg.training.steps
             if last_step or _every(cfg.eval.every, step):
-                evals["last"] = evaluate(job)
+                evals["last"] = evaluate(run)
                 metrics.update(evals["last"])
-            with job.waiting("the step boundary on every rank"):
-                boundary = reduce(
-                    {"signal": float(stop.signal_number if stop else 0), "skipped": metrics.get("train/skipped_updates", 0.0)},
-                    None,
-                    dist.ReduceOp.MAX,
-                )
+            boundary = _step_boundary(run, stop, metrics)
             bad_steps = bad_steps + 1 if boundary["skipped"] else 0
             logger.log(step, metrics)
             if boundary["skipped"] and is_leader:
-                logger.say(f"step {step}: update skipped: {job.trainer.last_skip_reason}", file=sys.stderr)
+                logger.say(f"step {step}: update skipped: {run.trainer.last_skip_reason}", file=sys.stderr)
             if last_step or _every(cfg.checkpoint.export_hf_every, step):
-                job.export_hf(Path(cfg.job.output_dir) / "hf" / f"step_{step}")
+                run.export_hf(Path(cfg.job.output_dir) / "hf" / f"step_{step}")
             diverged = bad_steps >= cfg.training.max_bad_steps
             signal_number = int(boundary["signal"])
             if last_step or _every(cfg.checkpoint.every, step) or diverged or signal_number:
-                saved = save(step)
+                saved = _save(cfg, run, step, bad_steps, evals, async_steps)
             if diverged:
-                raise TrainingDiverged(
-                    f"{bad_steps} steps in a row (up to step {step}) had a non-finite loss or gradient norm "
-                    f"(training.max_bad_steps = {cfg.training.max_bad_steps}); their updates were skipped, "
-                    f"so {saved} holds the last good weights"
-                )
+                raise _diverged(cfg, bad_steps, step, saved)
             if signal_number:
                 if is_leader:
                     logger.say(
@@ -112,16 +84,70 @@ def run_loop(cfg: Config, job: Run, resume: Path | None = None, stop: GracefulSt
                     )
                 return
     if is_leader and evals:
-        first, last = evals["first"], evals["last"]
-        print(
-            f"done: {cfg.training.steps} steps in {time.perf_counter() - start:.0f} s "
-            f"({cfg.parallelism.mode}, {len(roles.generator_ranks)} generator / {len(roles.trainer_ranks)} trainer ranks); "
-            f"held-out reward {first['eval/reward_mean']:.3f} -> {last['eval/reward_mean']:.3f} "
-            f"({'greedy' if cfg.eval.samples == 1 else f'{cfg.eval.samples} samples each'}, "
-            f"{len(job.source.eval_prompts)} prompts); metrics: {logger.path}",
-            flush=True,
+        _announce_done(cfg, run, logger.path, evals, time.perf_counter() - start)
+
+
+def _resume(cfg: Config, run: Run, resume: Path | None, is_async: bool) -> tuple[int, int, dict, dict | None]:
+    """Restore checkpoint `resume` (None: a fresh start) into this rank's trainer and RNG. Returns the
+    run's (last step, consecutive bad steps, evaluations so far, this rank's batches in flight: async
+    only, None when none were saved). Collective over the trainer ranks."""
+    if resume is None:
+        return 0, 0, {}, None
+    state = load_checkpoint(resume, run.trainer, run.trainer_group)
+    _check_same_schedule(cfg, resume, state, dist.get_world_size())
+    inflight = load_inflight(resume) if is_async else None
+    if run.roles.rank == run.roles.leader:
+        _announce_resume(cfg, resume, state)
+    return state["step"], state["bad_steps"], state["evals"], inflight
+
+
+def _step_boundary(run: Run, stop: GracefulStop | None, metrics: dict[str, float]) -> dict[str, float]:
+    """What every rank learns at the end of a step: the highest stop signal that arrived on any rank
+    (0: none) and whether the step skipped an update. Collective over every rank."""
+    with run.waiting("the step boundary on every rank"):
+        return all_reduce(
+            {"signal": float(stop.signal_number if stop else 0), "skipped": metrics.get("train/skipped_updates", 0.0)},
+            None,
+            dist.ReduceOp.MAX,
         )
-        print(f"report: {render_report(cfg.job.output_dir)} (python -m grpo.observe.report {cfg.job.output_dir})", flush=True)
+
+
+def _save(cfg: Config, run: Run, step: int, bad_steps: int, evals: dict, async_steps: AsyncSteps | None) -> Path:
+    """Checkpoint after `step`: the trainer, the run state and, in async mode, the generators'
+    batches in flight. Collective over every rank; returns the checkpoint's folder."""
+    run_state = {"step": step, "policy_version": step, "data_position": _data_position(cfg, step)}
+    run_state.update(bad_steps=bad_steps, evals=evals, schedule=_schedule_of(cfg))
+    roles = run.roles
+    with run.waiting("the checkpoint save on every rank"):
+        return save_checkpoint(
+            checkpoint_root(cfg.job.output_dir), step, run.trainer, run.trainer_group, run_state,
+            roles.rank == roles.leader, cfg.checkpoint.keep,
+            inflight=async_steps.inflight if async_steps is not None and roles.is_generator else None,
+        )
+
+
+def _diverged(cfg: Config, bad_steps: int, step: int, saved: Path) -> TrainingDiverged:
+    return TrainingDiverged(
+        f"{bad_steps} steps in a row (up to step {step}) had a non-finite loss or gradient norm "
+        f"(training.max_bad_steps = {cfg.training.max_bad_steps}); their updates were skipped, "
+        f"so {saved} holds the last good weights"
+    )
+
+
+def _announce_done(cfg: Config, run: Run, metrics_path: Path, evals: dict, seconds: float) -> None:
+    """The leader's last lines: how long the run took, the held-out reward before and after, and
+    where its metrics and report are."""
+    first, last = evals["first"], evals["last"]
+    roles = run.roles
+    print(
+        f"done: {cfg.training.steps} steps in {seconds:.0f} s "
+        f"({cfg.parallelism.mode}, {len(roles.generator_ranks)} generator / {len(roles.trainer_ranks)} trainer ranks); "
+        f"held-out reward {first['eval/reward_mean']:.3f} -> {last['eval/reward_mean']:.3f} "
+        f"({'greedy' if cfg.eval.samples == 1 else f'{cfg.eval.samples} samples each'}, "
+        f"{len(run.source.eval_prompts)} prompts); metrics: {metrics_path}",
+        flush=True,
+    )
+    print(f"report: {render_report(cfg.job.output_dir)} (python -m grpo.observe.report {cfg.job.output_dir})", flush=True)
 
 
 def _every(period: int, step: int) -> bool:
@@ -141,12 +167,12 @@ def _announce_resume(cfg: Config, resume: Path, state: dict) -> None:
         )
 
 
-def _announce_mfu(job: Run) -> None:
-    if job.peak is not None:
-        print(f"MFU (throughput/mfu) is measured against the {job.peak[1]} of each trainer rank", flush=True)
+def _announce_mfu(run: Run) -> None:
+    if run.peak is not None:
+        print(f"MFU (throughput/mfu) is measured against the {run.peak[1]} of each trainer rank", flush=True)
     else:
         print(
-            f"no MFU: no peak FLOP/s is known for {job.device.type} in {job.dtype} (set metrics.peak_tflops)",
+            f"no MFU: no peak FLOP/s is known for {run.device.type} in {run.dtype} (set metrics.peak_tflops)",
             flush=True,
         )
 

@@ -1,9 +1,16 @@
-"""One launch's components and each role's work: what each rank builds for its role, and the pieces
-of a step (generate, deliver, score, advantages, metrics) that the schedules put in order
-(sync_step.py: the sync step and evaluation; async_step.py: the async step; loop.py: the run).
+"""One rank of the launch: `Run` builds what the rank's role needs and holds the pieces of a step
+that the schedules put in order (sync_step.py: the sync step and evaluation; async_step.py: the
+async step; loop.py: the run).
+
+What `Run` builds: the tokenizer and prompt source on every rank, the trainer (policy, optimizer,
+the KL reference) on trainer ranks, the engine on generator ranks, and the weight sync between them
+when the roles are split; before any of it, the start-up checks that need the model's shapes
+(grpo/distributed/preflight.py). The pieces of a step: generate, deliver, score (every rank learns
+of a reward error), advantages, the weight sync, the step's metrics and samples.
 
 Every rank runs the same sequence of collectives; what a rank does inside a step depends on its
-role (generator, trainer, or both when colocated).
+role (generator, trainer, or both when colocated). A rank stops with RunAborted when another rank
+failed, and every rank with TrainingDiverged after training.max_bad_steps bad steps in a row.
 """
 
 from __future__ import annotations
@@ -17,28 +24,31 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from grpo.train.checkpoint import check_matches, checkpoint_bytes, export_hf
 from grpo.config import Config
 from grpo.data.prompt import Prompt
+from grpo.data.sources import open_prompts
 from grpo.data.tokenizer import HFTokenizer
-from grpo.engine import NativeEngine, SamplingParams
+from grpo.distributed.collectives import all_reduce
+from grpo.distributed.faults import waiting_for
+from grpo.distributed.preflight import check_checkpoints
+from grpo.distributed.roles import Roles
+from grpo.distributed.weight_sync import WeightSync
+from grpo.engine import Engine, NativeEngine, SamplingParams
 from grpo.engine.vmm import mapped_bytes
+from grpo.errors import TandemError
+from grpo.observe.flops import mfu, peak_flops
+from grpo.observe.metrics import reduce_across
 from grpo.rollout.episode import (
     EpisodeBatch,
     compute_advantages,
     overlong_penalty,
     zero_variance_groups,
 )
-from grpo.distributed.faults import check_free_disk, waiting_for
-from grpo.observe.flops import mfu, peak_flops
-from grpo.observe.metrics import reduce_across
-from grpo.distributed.roles import Roles
-from grpo.rollout.generate import generate_episodes, score_episodes
-from grpo.scoring.scorer import Scorer
-from grpo.data.sources import open_prompts
-from grpo.train.trainer import Trainer
+from grpo.rollout.generate import generate_episodes
 from grpo.rollout.transport import exchange_episodes
-from grpo.distributed.weight_sync import WeightSync
+from grpo.scoring.scorer import Scorer, score_episodes
+from grpo.train.checkpoint import export_hf
+from grpo.train.trainer import Trainer
 from model import ModelArgs, Transformer, from_hf
 from model.parallelize import tensor_parallel_layout
 from rewards import RewardError
@@ -48,7 +58,7 @@ class RunAborted(RuntimeError):
     """Another rank hit an error; this rank stops at the same step without a message of its own."""
 
 
-class TrainingDiverged(RuntimeError):
+class TrainingDiverged(TandemError, RuntimeError):
     """training.max_bad_steps consecutive steps had a non-finite loss or gradient norm."""
 
 
@@ -73,15 +83,8 @@ def builtin_model_args(cfg: Config, vocab_size: int) -> ModelArgs:
     )
 
 
-def reduce(values: dict[str, float], group: dist.ProcessGroup | None, op=dist.ReduceOp.SUM) -> dict[str, float]:
-    """All-reduce a dict of floats over `group` (CPU tensors: gloo)."""
-    tensor = torch.tensor(list(values.values()), dtype=torch.float64)
-    dist.all_reduce(tensor, op=op, group=group)
-    return dict(zip(values, tensor.tolist()))
-
-
 class Run:
-    """The components of one job on this rank, built according to its role."""
+    """The components of one run on this rank, built according to its role."""
 
     def __init__(
         self, cfg: Config, device: torch.device, roles: Roles, scorer: Scorer | None, resume: Path | None = None
@@ -92,89 +95,98 @@ class Run:
         self.dtype = compute_dtype(cfg, device)
         self.tokenizer, self.source = open_prompts(cfg)
         if cfg.model.path:
-            self.args = args = ModelArgs.from_hf_dir(cfg.model.path)
+            self.args = ModelArgs.from_hf_dir(cfg.model.path)
         else:
-            self.args = args = builtin_model_args(cfg, self.tokenizer.vocab_size)
+            self.args = builtin_model_args(cfg, self.tokenizer.vocab_size)
         with torch.device("meta"):
-            shapes = {name: tuple(p.shape) for name, p in Transformer(args).named_parameters()}
-        if resume is not None:
-            check_matches(resume, shapes)
-        check_free_disk(cfg.job.output_dir, checkpoint_bytes(shapes))
+            shapes = {name: tuple(p.shape) for name, p in Transformer(self.args).named_parameters()}
+        check_checkpoints(cfg.job.output_dir, shapes, resume)
         role = "colocated" if not roles.split else "generator" if roles.is_generator else "trainer"
         self.who = f"{role} rank {roles.rank}"
         self.trainer_group = roles.trainer_mesh.get_group() if roles.trainer_mesh is not None else None
-        self.trainer = self.engine = None
-        if roles.is_trainer:
-            torch.manual_seed(cfg.job.seed)
-            if cfg.model.path:
-                policy = from_hf(cfg.model.path, dtype=torch.float32, device=device)
-            else:
-                policy = Transformer(args, dtype=torch.float32, device=device)
-                policy.init_weights()
-            reference = None
-            if cfg.grpo.kl_coef > 0:
-                # The KL anchor is the policy as it starts: a frozen copy of the initial weights.
-                reference = Transformer(args, dtype=torch.float32, device=device)
-                reference.load_state_dict(policy.state_dict())
-            self.trainer = Trainer(
-                policy,
-                roles.trainer_mesh,
-                device,
-                self.dtype,
-                cfg.grpo,
-                cfg.optimizer,
-                total_steps=cfg.training.steps,
-                micro_batch_tokens=cfg.training.micro_batch_tokens,
-                temperature=cfg.generation.temperature,
-                max_new_tokens=cfg.generation.max_new_tokens,
-                activation_checkpointing=cfg.model.activation_checkpointing,
-                compile=cfg.model.compile and device.type == "cuda",
-                reference=reference,
-            )
-        gen = cfg.generation
-        if roles.is_generator:
-            engine_options = dict(
-                sampling=SamplingParams(gen.max_new_tokens, gen.temperature, gen.top_p, gen.top_k),
-                eos_ids=self.tokenizer.eos_ids,
-                seed=cfg.job.seed,
-                dtype=self.dtype,
-                device=device,
-                stop_strings=gen.stop,
-                decode_text=self.tokenizer.decode,
-                max_batch_size=gen.max_batch_size,
-                max_seq_len=gen.max_seq_len or self.source.max_prompt_tokens + gen.max_new_tokens,
-                kv_cache_gb=gen.kv_cache_gb,
-            )
-            if gen.engine == "vllm":
-                from grpo.engine.vllm_engine import VLLMEngine
-
-                self.engine = VLLMEngine(args, **engine_options, kv_cache_fraction=gen.kv_cache_fraction,
-                                         staging_mb=cfg.parallelism.weight_bucket_mb, cuda_graphs=gen.cuda_graphs,
-                                         compile=gen.compile)
-            else:
-                self.engine = NativeEngine(
-                    args,
-                    **engine_options,
-                    kv_cache_fraction=gen.kv_cache_fraction,
-                    share_prefix=gen.share_prefix,
-                    cuda_graphs=gen.cuda_graphs,
-                    compile=gen.compile,
-                    sync_every=gen.sync_every,
-                    tensor_parallel=(roles.generator_tp, roles.tp_group) if roles.generator_tp > 1 else None,
-                )
+        self.trainer = self._build_trainer() if roles.is_trainer else None
+        self.engine = self._build_engine() if roles.is_generator else None
         self.weight_bytes = sum(math.prod(s) for s in shapes.values()) * torch.empty((), dtype=self.dtype).element_size()
-        self.weight_sync = None
-        if roles.split:
-            layout = None
-            if roles.is_generator and roles.generator_tp > 1:
-                layout = functools.partial(tensor_parallel_layout, args=args, tp=roles.generator_tp, tp_rank=roles.tp_rank)
-            self.weight_sync = WeightSync(
-                shapes, roles.trainer_ranks, roles.weight_groups, self.dtype, device,
-                cfg.parallelism.weight_bucket_mb * 2**20, generator_layout=layout,
-            )
-        self.greedy = SamplingParams(gen.max_new_tokens, temperature=0.0)
+        self.weight_sync = self._build_weight_sync(shapes) if roles.split else None
+        self.greedy = SamplingParams(cfg.generation.max_new_tokens, temperature=0.0)
         # (peak FLOP/s of one trainer device, what that figure is), or None: no MFU is reported
         self.peak = peak_flops(device, self.dtype, cfg.metrics.peak_tflops)
+
+    def _build_trainer(self) -> Trainer:
+        """The fp32 policy (from model.path, or freshly initialised from job.seed), its optimizer
+        and, when grpo.kl_coef > 0, the frozen reference, sharded over the trainer mesh."""
+        cfg, device, args = self.cfg, self.device, self.args
+        torch.manual_seed(cfg.job.seed)
+        if cfg.model.path:
+            policy = from_hf(cfg.model.path, dtype=torch.float32, device=device)
+        else:
+            policy = Transformer(args, dtype=torch.float32, device=device)
+            policy.init_weights()
+        reference = None
+        if cfg.grpo.kl_coef > 0:
+            # The KL anchor is the policy as it starts: a frozen copy of the initial weights.
+            reference = Transformer(args, dtype=torch.float32, device=device)
+            reference.load_state_dict(policy.state_dict())
+        return Trainer(
+            policy,
+            self.roles.trainer_mesh,
+            device,
+            self.dtype,
+            cfg.grpo,
+            cfg.optimizer,
+            total_steps=cfg.training.steps,
+            micro_batch_tokens=cfg.training.micro_batch_tokens,
+            temperature=cfg.generation.temperature,
+            max_new_tokens=cfg.generation.max_new_tokens,
+            activation_checkpointing=cfg.model.activation_checkpointing,
+            compile=cfg.model.compile and device.type == "cuda",
+            reference=reference,
+        )
+
+    def _build_engine(self) -> Engine:
+        """This generator rank's engine (generation.engine), with its weights still to come from
+        the first weight sync; a tensor-parallel group of generator ranks runs one engine."""
+        cfg, gen, roles = self.cfg, self.cfg.generation, self.roles
+        engine_options = dict(
+            sampling=SamplingParams(gen.max_new_tokens, gen.temperature, gen.top_p, gen.top_k),
+            eos_ids=self.tokenizer.eos_ids,
+            seed=cfg.job.seed,
+            dtype=self.dtype,
+            device=self.device,
+            stop_strings=gen.stop,
+            decode_text=self.tokenizer.decode,
+            max_batch_size=gen.max_batch_size,
+            max_seq_len=gen.max_seq_len or self.source.max_prompt_tokens + gen.max_new_tokens,
+            kv_cache_gb=gen.kv_cache_gb,
+        )
+        if gen.engine == "vllm":
+            from grpo.engine.vllm_engine import VLLMEngine
+
+            return VLLMEngine(self.args, **engine_options, kv_cache_fraction=gen.kv_cache_fraction,
+                              staging_mb=cfg.parallelism.weight_bucket_mb, cuda_graphs=gen.cuda_graphs,
+                              compile=gen.compile)
+        return NativeEngine(
+            self.args,
+            **engine_options,
+            kv_cache_fraction=gen.kv_cache_fraction,
+            share_prefix=gen.share_prefix,
+            cuda_graphs=gen.cuda_graphs,
+            compile=gen.compile,
+            sync_every=gen.sync_every,
+            tensor_parallel=(roles.generator_tp, roles.tp_group) if roles.generator_tp > 1 else None,
+        )
+
+    def _build_weight_sync(self, shapes: dict[str, tuple[int, ...]]) -> WeightSync:
+        """The trainer → generator weight transfer of split roles, routed by each side's layout
+        (a tensor-parallel generator holds slices of the weights)."""
+        roles = self.roles
+        layout = None
+        if roles.is_generator and roles.generator_tp > 1:
+            layout = functools.partial(tensor_parallel_layout, args=self.args, tp=roles.generator_tp, tp_rank=roles.tp_rank)
+        return WeightSync(
+            shapes, roles.trainer_ranks, roles.weight_groups, self.dtype, self.device,
+            self.cfg.parallelism.weight_bucket_mb * 2**20, generator_layout=layout,
+        )
 
     def sync_weights(self, version: int) -> float:
         """Push the trainer's weights into every engine; returns the seconds it took."""
@@ -257,14 +269,14 @@ class Run:
             with self.waiting(what):
                 return exchange_episodes(batch, roles, math.ceil(num_prompts / roles.engines), generate_s)
         with self.waiting("the other ranks' generation"):
-            return batch, reduce({"t": generate_s}, None, dist.ReduceOp.MAX)["t"]
+            return batch, all_reduce({"t": generate_s}, None, dist.ReduceOp.MAX)["t"]
 
     def agree(self, value: float, op=dist.ReduceOp.MAX) -> float:
         """Reduce a trainer-side value over the trainer ranks and hand the result to every rank."""
         if not self.roles.split:
-            return reduce({"v": value}, None, op)["v"]
+            return all_reduce({"v": value}, None, op)["v"]
         if self.roles.is_trainer:
-            value = reduce({"v": value}, self.trainer_group, op)["v"]
+            value = all_reduce({"v": value}, self.trainer_group, op)["v"]
         tensor = torch.tensor([value], dtype=torch.float64)
         dist.broadcast(tensor, src=self.roles.leader, group=self.roles.control_group)
         return float(tensor)
@@ -307,7 +319,7 @@ class Run:
         batch_std = None
         if g.scale_rewards == "batch":
             r = episodes.rewards.double()
-            s = reduce({"n": float(len(r)), "sum": float(r.sum()), "sq": float((r * r).sum())}, self.trainer_group)
+            s = all_reduce({"n": float(len(r)), "sum": float(r.sum()), "sq": float((r * r).sum())}, self.trainer_group)
             mean = s["sum"] / max(s["n"], 1.0)
             batch_std = math.sqrt(max(s["sq"] - s["n"] * mean * mean, 0.0) / max(s["n"] - 1, 1.0))
         episodes.advantages = compute_advantages(episodes.rewards, G, g.baseline, g.scale_rewards, batch_std)

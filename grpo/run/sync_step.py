@@ -7,32 +7,33 @@ import time
 
 import torch.distributed as dist
 
+from grpo.distributed.collectives import all_reduce
 from grpo.rollout.episode import concat_episodes
-from grpo.run.rank import Run, reduce
+from grpo.run.rank import Run
 
 
-def evaluate(job: Run) -> dict[str, float]:
+def evaluate(run: Run) -> dict[str, float]:
     """eval.samples completions of each held-out prompt (greedy when 1), scored on trainer ranks.
 
     eval/accuracy: the fraction of completions whose reward reaches eval.correct_reward;
     eval/pass@k: the fraction of prompts with at least one such completion among k = eval.samples.
     Sampling keys use step 0, which no training step uses: every evaluation draws the same noise.
     """
-    prompts, n = job.source.eval_prompts, job.cfg.eval.samples
-    episodes, _ = job.collect_episodes(prompts, n, step=0, sampling=job.greedy if n == 1 else None)
-    job.score(episodes, prompts)
-    if not job.roles.is_trainer:
+    prompts, n = run.source.eval_prompts, run.cfg.eval.samples
+    episodes, _ = run.collect_episodes(prompts, n, step=0, sampling=run.greedy if n == 1 else None)
+    run.score(episodes, prompts)
+    if not run.roles.is_trainer:
         return {}
-    correct = (episodes.rewards >= job.cfg.eval.correct_reward).float()
+    correct = (episodes.rewards >= run.cfg.eval.correct_reward).float()
     solved = correct.view(-1, n).amax(dim=1) if len(correct) else correct
-    totals = reduce(
+    totals = all_reduce(
         {
             "reward": float(episodes.rewards.sum()),
             "length": float(episodes.completion_lens.sum()),
             "correct": float(correct.sum()),
             "solved": float(solved.sum()),
         },
-        job.trainer_group,
+        run.trainer_group,
     )
     completions = len(prompts) * n
     return {
@@ -42,7 +43,8 @@ def evaluate(job: Run) -> dict[str, float]:
         "eval/pass@k": totals["solved"] / len(prompts),
     }
 
-def sync_step(job: Run, step: int, with_samples: bool = False) -> tuple[dict[str, float], list[dict]]:
+
+def sync_step(run: Run, step: int, with_samples: bool = False) -> tuple[dict[str, float], list[dict]]:
     """One RL step; returns the step's metrics on trainer ranks ({} on generator-only ranks) and,
     when asked, a few of this rank's episodes as readable samples.
 
@@ -50,7 +52,7 @@ def sync_step(job: Run, step: int, with_samples: bool = False) -> tuple[dict[str
     groups survive the zero-variance filter (or the rounds run out); surplus groups of the last
     round are dropped in prompt order so every step trains on the same number of groups.
     """
-    cfg, G, target = job.cfg, job.cfg.grpo.group_size, job.cfg.data.prompts_per_step
+    cfg, G, target = run.cfg, run.cfg.grpo.group_size, run.cfg.data.prompts_per_step
     start = time.perf_counter()
     rounds = cfg.grpo.dynamic_sampling_max_rounds if cfg.grpo.dynamic_sampling else 1
     generated, kept, reward_sums, prompts_seen = [], [], {}, {}
@@ -59,45 +61,45 @@ def sync_step(job: Run, step: int, with_samples: bool = False) -> tuple[dict[str
     # peak device memory (GB) of this rank in each phase of the step
     memory: dict[str, float] = {}
     for round_index in range(rounds):
-        prompts = job.source.train_prompts(step, target, round_index)
+        prompts = run.source.train_prompts(step, target, round_index)
         prompts_seen.update((p.index, p) for p in prompts)
-        with job.peak_memory("memory/generate_peak_gb", memory):
-            episodes, seconds = job.collect_episodes(prompts, G, step)
+        with run.peak_memory("memory/generate_peak_gb", memory):
+            episodes, seconds = run.collect_episodes(prompts, G, step)
         generate_s += seconds
         score_start = time.perf_counter()
-        for name, total in job.score(episodes, prompts).items():
+        for name, total in run.score(episodes, prompts).items():
             reward_sums[name] = reward_sums.get(name, 0.0) + total
-        if job.roles.is_trainer:
+        if run.roles.is_trainer:
             generated.append(episodes)
-            episodes, dropped = job.advantages(episodes)
+            episodes, dropped = run.advantages(episodes)
             filtered += dropped
             kept.append(episodes)
         score_s += time.perf_counter() - score_start
-        local_groups = len(kept[-1]) // G if job.roles.is_trainer else 0
-        round_groups = int(job.agree(float(local_groups), dist.ReduceOp.SUM))
+        local_groups = len(kept[-1]) // G if run.roles.is_trainer else 0
+        round_groups = int(run.agree(float(local_groups), dist.ReduceOp.SUM))
         if cfg.grpo.dynamic_sampling and kept_groups + round_groups > target:
-            if job.roles.is_trainer:
-                kept[-1] = job.first_groups(kept[-1], target - kept_groups)
+            if run.roles.is_trainer:
+                kept[-1] = run.first_groups(kept[-1], target - kept_groups)
             round_groups = target - kept_groups
         kept_groups += round_groups
         if kept_groups >= target:
             break
-    if not job.roles.split and job.cfg.generation.release_kv_cache:
-        job.engine.release_cache()
+    if not run.roles.split and run.cfg.generation.release_kv_cache:
+        run.engine.release_cache()
     train_start = time.perf_counter()
     train_metrics = {}
-    if job.roles.is_trainer:
-        with job.waiting(f"the other {job.peers()[1]} (FSDP collectives)"):
-            with job.peak_memory("memory/train_peak_gb", memory):
-                train_metrics = job.trainer.train(concat_episodes(kept, job.tokenizer.pad_id))
+    if run.roles.is_trainer:
+        with run.waiting(f"the other {run.peers()[1]} (FSDP collectives)"):
+            with run.peak_memory("memory/train_peak_gb", memory):
+                train_metrics = run.trainer.train(concat_episodes(kept, run.tokenizer.pad_id))
             train_metrics.update(memory)
     train_end = time.perf_counter()
-    sync_s = job.sync_weights(step)
-    if not job.roles.is_trainer:
+    sync_s = run.sync_weights(step)
+    if not run.roles.is_trainer:
         return {}, []
-    episodes = concat_episodes(generated, job.tokenizer.pad_id)
+    episodes = concat_episodes(generated, run.tokenizer.pad_id)
     if cfg.grpo.filter_zero_variance:
-        groups = reduce({"filtered": float(filtered)}, job.trainer_group)
+        groups = all_reduce({"filtered": float(filtered)}, run.trainer_group)
         train_metrics["grpo/groups_filtered"] = groups["filtered"]
         train_metrics["grpo/groups_trained"] = float(kept_groups)
         train_metrics["grpo/generation_rounds"] = float(round_index + 1)
@@ -108,13 +110,13 @@ def sync_step(job: Run, step: int, with_samples: bool = False) -> tuple[dict[str
         "time/weight_sync_s": sync_s,
         "time/step_s": time.perf_counter() - start,
     }
-    metrics, times = job.step_metrics(step, episodes, reward_sums, train_metrics, times)
-    if job.roles.split:
+    metrics, times = run.step_metrics(step, episodes, reward_sums, train_metrics, times)
+    if run.roles.split:
         # Split roles wait on each other: generators while trainers score and train, trainers
         # while generators generate.
         metrics["time/generator_idle_s"] = times["time/step_s"] - times["time/generate_s"] - times["time/weight_sync_s"]
         metrics["time/trainer_idle_s"] = (
             times["time/step_s"] - times["time/score_s"] - times["time/train_s"] - times["time/weight_sync_s"]
         )
-    samples = job.samples(episodes, prompts_seen) if with_samples else []
+    samples = run.samples(episodes, prompts_seen) if with_samples else []
     return metrics, samples

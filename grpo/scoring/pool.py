@@ -24,12 +24,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from grpo.errors import TandemError
+
 _PR_SET_PDEATHSIG = 1
 _READY = "ready"
 START_TIMEOUT_S = 300.0  # a worker's start-up: spawn, imports, the reward module
 
 
-class PoolError(RuntimeError):
+class PoolError(TandemError, RuntimeError):
     """A worker died or hung before it could take work."""
 
 
@@ -146,7 +148,8 @@ class WorkerPool:
             ok, payload = self._conns[worker].recv()
         except (EOFError, OSError):
             self._procs[worker].join(timeout=5)
-            return Outcome("died", detail=f"the worker (pid {self._procs[worker].pid}) died ({_exit_status(self._procs[worker])})")
+            proc = self._procs[worker]
+            return Outcome("died", detail=f"the worker (pid {proc.pid}) died ({_exit_status(proc)})")
         return Outcome("ok", value=payload) if ok else Outcome("raised", detail=payload)
 
     def _kill(self, worker: int) -> None:

@@ -1,14 +1,20 @@
 """Turn episodes into rewards: reward functions run in a CPU process pool with a timeout."""
 
 import sys
+import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
+from grpo.config.sections import OnRewardError
+from grpo.data.prompt import Prompt
+from grpo.rollout.episode import EpisodeBatch
+from grpo.scoring.calls import clip, load_reward, reward_name, score_chunk
 from grpo.scoring.pool import Outcome, PoolError, WorkerPool
-from rewards import RewardError, _clip, load_reward, reward_name, score_chunk
+from rewards import RewardError
 
-ON_ERROR_MODES = ("stop", "zero")
+ON_ERROR_MODES = typing.get_args(OnRewardError)
 
 
 @dataclass
@@ -116,7 +122,7 @@ class Scorer:
             if count:
                 print(
                     f"warning: reward function {name!r} failed on {count}/{n} episodes, scored 0.0 "
-                    f"(on_error='zero'); first: {_clip(self._first_error[name], 300)}",
+                    f"(on_error='zero'); first: {clip(self._first_error[name], 300)}",
                     file=sys.stderr,
                     flush=True,
                 )
@@ -182,7 +188,7 @@ class Scorer:
             )
         if outcome.status == "died":
             return f"{where} did not finish on {episodes}: {outcome.detail}"
-        return f"{where} failed in its worker on {episodes}: {_clip(outcome.detail, 300)}"
+        return f"{where} failed in its worker on {episodes}: {clip(outcome.detail, 300)}"
 
     def close(self) -> None:
         """Stop the workers: idle ones exit on the end-of-work message, busy ones are killed
@@ -197,3 +203,21 @@ class Scorer:
     def __exit__(self, *exc_info) -> None:
         self.close()
 
+
+def score_episodes(
+    scorer: Scorer,
+    episodes: EpisodeBatch,
+    prompts: dict[int, Prompt],
+    decode: Callable[[list[int]], str],
+    defaults: dict | None = None,
+) -> dict[str, float]:
+    """Fill episodes.rewards; returns each reward function's sum over these episodes.
+
+    defaults: metadata every reward call sees unless the prompt's own metadata overrides it
+    (e.g. "format_pattern" for format_reward)."""
+    owners = [prompts[int(i)] for i in episodes.prompt_index]
+    texts = [decode(episodes.completion(i)) for i in range(len(episodes))]
+    metadata = [{**(defaults or {}), **p.metadata} for p in owners]
+    scored = scorer.score([p.text for p in owners], texts, [p.answer for p in owners], metadata)
+    episodes.rewards = scored.total
+    return {name: float(values.sum()) for name, values in scored.per_function.items()}

@@ -8,10 +8,11 @@ A checkpoint is the folder <job.output_dir>/checkpoints/step_N:
   rng/rank_R.pt   each rank's RNG states
 It is written as .tmp-step_N and renamed when whole, so a folder named step_N is always complete.
 
-Prompts are a function of (job.seed, step), so the step is the data position. The schedule is
-synchronous: at a step boundary, where checkpoints are taken, every generated episode has been
-trained on and none is pending. The KL reference model is the initial policy and is rebuilt from
-it on resume, not saved.
+Prompts are a function of (job.seed, step), so the step is the data position. Under the sync
+schedule no generated episode is pending at a step boundary, where checkpoints are taken; under
+the async schedule the batches generated ahead are, and each generator rank saves its own in
+inflight/rank_R.pt (`load_inflight`). The KL reference model is the initial policy and is
+rebuilt from it on resume, not saved.
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
-from grpo.rollout.episode import EpisodeBatch
 from grpo.distributed.faults import restart_count
+from grpo.errors import TandemError
+from grpo.rollout.episode import EpisodeBatch
 from grpo.train.trainer import Trainer
 from model import ModelArgs
 from model.hf import save_hf
@@ -47,7 +49,7 @@ _INFLIGHT = "inflight"
 _STEP_DIR = re.compile(r"step_(\d+)")
 
 
-class CheckpointMismatch(ValueError):
+class CheckpointMismatch(TandemError, ValueError):
     """A checkpoint that cannot be resumed here; the message names it and what does not fit."""
 
 

@@ -1,6 +1,6 @@
 """The GRPO loss family as pure functions on per-token tensors [B, T] (B rows, T tokens).
 
-Policies (DESIGN.md "The three policies"): π_θ is being optimised, π_old is the trainer's policy
+Policies (README, "How it works"): π_θ is being optimised, π_old is the trainer's policy
 before this batch's first update, π_gen generated the tokens. The surrogate clips r = π_θ / π_old:
 
     l_t = -min(r_t * A, clip(r_t, 1 - eps_low, 1 + eps_high) * A)
@@ -16,14 +16,16 @@ loss is defined per micro-batch, is the one exception).
 
 from __future__ import annotations
 
+import dataclasses
+import typing
 from dataclasses import dataclass
 
 import torch
 
-LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo", "gspo")
-KL_ESTIMATORS = ("k1", "k2", "k3")
-TIS_LEVELS = ("token", "sequence")
-TIS_MODES = ("truncate", "mask")
+from grpo.config.sections import GRPOConfig, KLEstimator, LossType, TISLevel, TISMode
+
+LOSS_TYPES = typing.get_args(LossType)
+KL_ESTIMATORS = typing.get_args(KLEstimator)
 
 
 @dataclass
@@ -39,26 +41,35 @@ class LossSettings:
     is dr_grpo's constant normaliser.
     """
 
-    loss_type: str = "dapo"
+    loss_type: LossType = "dapo"
     clip_eps_low: float = 0.2
     clip_eps_high: float = 0.2
     clip_ratio_c: float = 0.0
     gspo_clip_eps_low: float = 3e-4
     gspo_clip_eps_high: float = 4e-4
     kl_coef: float = 0.0
-    kl_estimator: str = "k3"
+    kl_estimator: KLEstimator = "k3"
     entropy_coef: float = 0.0
     tis_cap: float = 0.0
-    tis_level: str = "token"
-    tis_mode: str = "truncate"
+    tis_level: TISLevel = "token"
+    tis_mode: TISMode = "truncate"
     max_new_tokens: int = 1
+
+    @classmethod
+    def from_config(cls, grpo: GRPOConfig, max_new_tokens: int) -> LossSettings:
+        """The settings of the [grpo] section (the fields both share), with the generator's
+        max_new_tokens. tis_cap = -1 (auto) means off here: the config loader resolves it by
+        training.schedule, and a GRPOConfig built without the loader trains on its own generations."""
+        shared = {f.name for f in dataclasses.fields(cls)} & {f.name for f in dataclasses.fields(grpo)}
+        settings = {name: getattr(grpo, name) for name in shared}
+        return cls(**settings | {"tis_cap": max(grpo.tis_cap, 0.0), "max_new_tokens": max_new_tokens})
 
     def __post_init__(self) -> None:
         for name, allowed in (
             ("loss_type", LOSS_TYPES),
             ("kl_estimator", KL_ESTIMATORS),
-            ("tis_level", TIS_LEVELS),
-            ("tis_mode", TIS_MODES),
+            ("tis_level", typing.get_args(TISLevel)),
+            ("tis_mode", typing.get_args(TISMode)),
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
@@ -129,23 +140,6 @@ def _surrogate(
         loss = torch.where(dual, -clip_ratio_c * advantages, loss)
         active = active | dual
     return SurrogateTerms(loss=loss, ratio=ratio.detach(), clipped=active)
-
-
-def clipped_surrogate(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    clip_eps_low: float,
-    clip_eps_high: float,
-) -> SurrogateTerms:
-    """PPO-style clipped surrogate per token (Schulman et al. 2017). All inputs [B, T]; advantages
-    broadcast per sequence. loss_t = -min(r_t A, clip(r_t, 1 - eps_low, 1 + eps_high) A), r_t = π_θ / π_old."""
-    return _surrogate(logprobs - old_logprobs, advantages, clip_eps_low, clip_eps_high, 0.0)
-
-
-def token_sum(per_token: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Sum of per_token [B, T] over the tokens where mask [B, T] is set."""
-    return (per_token * mask).sum()
 
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
@@ -237,15 +231,7 @@ def policy_loss(
     else:
         surrogate = _surrogate(log_ratio, advantages, s.clip_eps_low, s.clip_eps_high, s.clip_ratio_c)
 
-    if s.tis_cap > 0:
-        log_w = torch.where(valid, old_logprobs - gen_logprobs, 0.0).detach()
-        if s.tis_level == "sequence":
-            log_w = _per_token(_sequence_sum(log_w, seq_ids, num_seqs), seq_ids)
-        w = torch.exp(log_w)
-        over_cap = w > s.tis_cap
-        weight = w.clamp(max=s.tis_cap) if s.tis_mode == "truncate" else (~over_cap).to(dtype)
-    else:
-        weight, over_cap = torch.ones_like(log_ratio), torch.zeros_like(valid)
+    weight, over_cap = _tis_weight(old_logprobs, gen_logprobs, valid, seq_ids, num_seqs, s)
     per_token = weight * surrogate.loss
 
     kl = None
@@ -258,15 +244,7 @@ def policy_loss(
     if s.entropy_coef > 0:
         per_token = per_token - s.entropy_coef * entropy
 
-    # Each loss type is Σ_t L_t · scale_t; the max(·, 1) guards only make an empty minibatch's loss 0.
-    if s.loss_type == "dapo":
-        scale = 1.0 / max(norm.global_tokens, 1.0)
-    elif s.loss_type == "dr_grpo":
-        scale = 1.0 / (max(norm.global_sequences, 1.0) * s.max_new_tokens)
-    elif s.loss_type == "bnpo":
-        scale = 1.0 / (valid.sum().clamp(min=1).to(dtype) * norm.micro_batches * norm.world_size)
-    else:  # grpo, gspo: token mean within each sequence, then a share of the mean over sequences
-        scale = 1.0 / (_per_token(seq_tokens, seq_ids).clamp(min=1) * max(norm.global_sequences, 1.0))
+    scale = _token_scale(valid, seq_tokens, seq_ids, s, norm)
     loss = torch.where(valid, per_token * scale, 0.0).sum()
 
     def masked_sum(values: torch.Tensor) -> torch.Tensor:
@@ -284,3 +262,39 @@ def policy_loss(
         "sequences": (seq_tokens > 0).sum().to(dtype),
     }
     return LossTerms(loss=loss, stats=stats)
+
+
+def _tis_weight(
+    old_logprobs: torch.Tensor,
+    gen_logprobs: torch.Tensor,
+    valid: torch.Tensor,
+    seq_ids: torch.Tensor,
+    num_seqs: int,
+    s: LossSettings,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """TIS weight on w = π_old / π_gen and where w is over the cap, [B, T] each (no grad): the
+    weight is 1 everywhere with tis_cap = 0."""
+    if s.tis_cap <= 0:
+        return torch.ones_like(old_logprobs), torch.zeros_like(valid)
+    log_w = torch.where(valid, old_logprobs - gen_logprobs, 0.0).detach()
+    if s.tis_level == "sequence":
+        log_w = _per_token(_sequence_sum(log_w, seq_ids, num_seqs), seq_ids)
+    w = torch.exp(log_w)
+    over_cap = w > s.tis_cap
+    weight = w.clamp(max=s.tis_cap) if s.tis_mode == "truncate" else (~over_cap).to(old_logprobs.dtype)
+    return weight, over_cap
+
+
+def _token_scale(
+    valid: torch.Tensor, seq_tokens: torch.Tensor, seq_ids: torch.Tensor, s: LossSettings, norm: Normalizers
+) -> torch.Tensor | float:
+    """scale_t such that the loss type's share is Σ_t L_t · scale_t (a scalar or [B, T]); the
+    max(·, 1) guards only make an empty minibatch's loss 0."""
+    if s.loss_type == "dapo":
+        return 1.0 / max(norm.global_tokens, 1.0)
+    if s.loss_type == "dr_grpo":
+        return 1.0 / (max(norm.global_sequences, 1.0) * s.max_new_tokens)
+    if s.loss_type == "bnpo":
+        return 1.0 / (valid.sum().clamp(min=1).to(seq_tokens.dtype) * norm.micro_batches * norm.world_size)
+    # grpo, gspo: token mean within each sequence, then a share of the mean over sequences
+    return 1.0 / (_per_token(seq_tokens, seq_ids).clamp(min=1) * max(norm.global_sequences, 1.0))

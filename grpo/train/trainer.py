@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from grpo.config import GRPOConfig, OptimizerConfig
+from grpo.distributed.collectives import all_reduce
 from grpo.rollout.episode import EpisodeBatch
 from grpo.train.loss import SUMMED_STATS, LossSettings, Normalizers, policy_loss
 from grpo.train.packing import PackedRows, pack_episodes, plan_micro_batches
@@ -95,23 +96,7 @@ class Trainer:
             self.model = self.policy = parallelize(model, mesh, compute_dtype, activation_checkpointing, compile)
             if reference is not None:
                 self.reference = parallelize(reference.requires_grad_(False), mesh, compute_dtype).eval()
-        self.loss_settings = LossSettings(
-            loss_type=grpo.loss_type,
-            clip_eps_low=grpo.clip_eps_low,
-            clip_eps_high=grpo.clip_eps_high,
-            clip_ratio_c=grpo.clip_ratio_c,
-            gspo_clip_eps_low=grpo.gspo_clip_eps_low,
-            gspo_clip_eps_high=grpo.gspo_clip_eps_high,
-            kl_coef=grpo.kl_coef,
-            kl_estimator=grpo.kl_estimator,
-            entropy_coef=grpo.entropy_coef,
-            # The config loader resolves -1 (auto) by training.schedule; a GRPOConfig built without
-            # one trains on its own generations, so auto means off.
-            tis_cap=max(grpo.tis_cap, 0.0),
-            tis_level=grpo.tis_level,
-            tis_mode=grpo.tis_mode,
-            max_new_tokens=max_new_tokens,
-        )
+        self.loss_settings = LossSettings.from_config(grpo, max_new_tokens)
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),
             lr=optim.lr,
@@ -136,11 +121,6 @@ class Trainer:
             tensor = param.full_tensor() if isinstance(param, DTensor) else param
             yield name, (), tensor.detach().to(dtype)
 
-    def _all_reduce(self, values: list[float], op=dist.ReduceOp.SUM) -> list[float]:
-        tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
-        dist.all_reduce(tensor, op=op, group=self.group)
-        return tensor.tolist()
-
     def _micro_batches(self, batch: EpisodeBatch) -> list[list[_MicroBatch]]:
         """Split into `minibatches` minibatches of whole groups, each into packed micro-batches of
         at most micro_batch_tokens tokens (first fit, longest episodes first).
@@ -161,8 +141,8 @@ class Trainer:
             minibatches.append(
                 [_MicroBatch(pack_episodes(batch.select(c), mask_truncated=self.grpo.mask_truncated)) for c in chunks]
             )
-        counts = self._all_reduce([len(m) for m in minibatches], op=dist.ReduceOp.MAX)
-        for micro_batches, count in zip(minibatches, counts):
+        counts = all_reduce(dict(enumerate(len(m) for m in minibatches)), self.group, dist.ReduceOp.MAX, self.device)
+        for micro_batches, count in zip(minibatches, counts.values()):
             micro_batches.extend(_MicroBatch(None) for _ in range(int(count) - len(micro_batches)))
         return minibatches
 
@@ -310,10 +290,10 @@ class Trainer:
             tokens += float(mb.rows.loss_mask.sum())
             carrying = mb.rows.doc_ids[mb.rows.loss_mask > 0]
             sequences += float(torch.unique(carrying).numel())
-        global_tokens, global_sequences = self._all_reduce([tokens, sequences])
+        totals = all_reduce({"tokens": tokens, "sequences": sequences}, self.group, device=self.device)
         return Normalizers(
-            global_tokens=max(global_tokens, 1.0),
-            global_sequences=max(global_sequences, 1.0),
+            global_tokens=max(totals["tokens"], 1.0),
+            global_sequences=max(totals["sequences"], 1.0),
             micro_batches=len(micro_batches),
             world_size=self.mesh.size(),
         )
@@ -385,13 +365,13 @@ class _Tally:
     def global_values(self, group) -> tuple[dict[str, float], dict[str, float]]:
         """(sums, maxima) over every rank of group. Collective: every rank must have tallied the
         same keys (a rank with no micro-batches has none, and then takes part with zeros)."""
-        keys = (*SUMMED_STATS, "diff_sum", "diff_exact")
         zero = torch.zeros((), dtype=torch.float64, device=self.device)
-        sums = torch.stack([self.sums.get(k, zero) for k in keys])
-        maxima = torch.stack([self.maxima.get(k, zero) for k in ("ratio_max", "diff_max")])
-        dist.all_reduce(sums, group=group)
-        dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)
-        return dict(zip(keys, sums.tolist())), dict(zip(("ratio_max", "diff_max"), maxima.tolist()))
+        sums = {k: self.sums.get(k, zero) for k in (*SUMMED_STATS, "diff_sum", "diff_exact")}
+        maxima = {k: self.maxima.get(k, zero) for k in ("ratio_max", "diff_max")}
+        return (
+            all_reduce(sums, group, device=self.device),
+            all_reduce(maxima, group, dist.ReduceOp.MAX, device=self.device),
+        )
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,181 @@
+"""Start-up checks: a run that cannot work here stops before it builds or loads any model, with one
+line (a StartupError, or CheckpointMismatch) that says what to change.
+
+In the order a launch runs them (`train_grpo.run`, then `Run.__init__` once the model's shapes
+are known):
+
+    check_output_dir         this rank can create files in job.output_dir
+    take_output_lock         no other run uses job.output_dir (the lock below)
+    check_shared_output_dir  every rank sees the same folder (after the lock: a refused run must
+                             not write into a folder another run owns)
+    check_checkpoints        the checkpoint to resume holds this model, and one more fits on disk
+
+One run per output folder: the first trainer rank holds `flock` on `<output_dir>/.tandem.lock`
+for the life of the run; the file records the holder's host, pid and start time. The kernel drops
+the lock when the holding process exits, however it exits (kill -9 included), so no lock outlives
+its run; a lock file whose record is still filled but which nobody holds is what a run that died
+leaves behind, and the next run takes it over with a warning. On a local disk and on NFS (where
+Linux maps `flock` to POSIX locks) the lock holds across processes and nodes; on a file system
+without cross-node locks (Lustre mounted without `-o flock`, for one) two runs on different nodes
+are not detected.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import socket
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import torch.distributed as dist
+
+from grpo.distributed.collectives import all_reduce
+from grpo.errors import TandemError
+from grpo.train.checkpoint import check_matches, checkpoint_bytes
+
+LOCK_NAME = ".tandem.lock"
+
+
+class StartupError(TandemError, RuntimeError):
+    """The job cannot start here (output folder, disk space); the message says what to change."""
+
+
+def check_output_dir(path: str | Path, rank: int) -> None:
+    """Raise StartupError unless this rank can create files in `path` (created if missing)."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise StartupError(f"job.output_dir = {str(path)!r} is a file, not a folder")
+    probe = path / f".write-check-rank{rank}"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as error:
+        raise StartupError(f"job.output_dir = {str(path)!r} is not writable: {error.strerror or error}") from None
+
+
+def check_shared_output_dir(path: str | Path, rank: int, leader: int) -> None:
+    """Raise StartupError on every rank unless all ranks see one and the same `path`: the leader
+    writes a fresh token there and each rank reads it back (a multi-node run without a shared file
+    system would otherwise write divergent checkpoints). Collective over the launch."""
+    marker = Path(path) / ".launch-check"
+    token = [uuid.uuid4().hex if rank == leader else ""]
+    dist.broadcast_object_list(token, src=leader)
+    if rank == leader:
+        marker.write_text(token[0])
+    dist.barrier()
+    try:
+        sees = marker.read_text() == token[0]
+    except OSError:
+        sees = False
+    views: list = [None] * dist.get_world_size()
+    dist.all_gather_object(views, (sees, socket.gethostname()))
+    if rank == leader:
+        marker.unlink()
+    blind = [f"rank {r} on {host}" for r, (ok, host) in enumerate(views) if not ok]
+    if blind:
+        raise StartupError(
+            f"job.output_dir = {str(path)!r} is not one folder for every rank: {', '.join(blind)} cannot see "
+            f"what rank {leader} wrote there; a multi-node run needs job.output_dir on a file system every node mounts"
+        )
+
+
+def check_free_disk(path: str | Path, needed_bytes: int) -> None:
+    """Raise StartupError when the disk holding `path` has less room than `needed_bytes`."""
+    free = shutil.disk_usage(path).free
+    if free < needed_bytes:
+        raise StartupError(
+            f"not enough free disk for one checkpoint in {str(path)!r}: it needs about "
+            f"{needed_bytes / 1e9:.2f} GB and {free / 1e9:.2f} GB are free "
+            "(free some space, or point job.output_dir at a larger disk)"
+        )
+
+
+def check_checkpoints(output_dir: str | Path, shapes: dict[str, tuple[int, ...]], resume: Path | None) -> None:
+    """Given the model's parameter shapes, before any model is built: raise CheckpointMismatch
+    unless checkpoint `resume` (when there is one) holds exactly these shapes, and StartupError
+    unless the disk under `output_dir` has room for one checkpoint of them."""
+    if resume is not None:
+        check_matches(resume, shapes)
+    check_free_disk(output_dir, checkpoint_bytes(shapes))
+
+
+def take_output_lock(output_dir: str | Path, is_leader: bool) -> OutputLock | None:
+    """The leader (first trainer rank) locks job.output_dir; every rank learns whether it could, and
+    each raises the same StartupError naming the holder if not. Collective over the launch.
+    Returns the leader's lock (None on the other ranks), to be released when the run ends."""
+    lock, refused = (OutputLock(output_dir) if is_leader else None), 0.0
+    if lock is not None:
+        try:
+            warning = lock.acquire()
+        except StartupError:
+            refused = 1.0
+        else:
+            if warning:
+                print(warning, file=sys.stderr, flush=True)
+    if all_reduce({"refused": refused}, None, dist.ReduceOp.MAX)["refused"]:
+        raise _refusal(output_dir)
+    return lock
+
+
+class OutputLock:
+    """Held by the first trainer rank from start-up to exit (see the module docstring)."""
+
+    def __init__(self, output_dir: str | Path):
+        self.output_dir = Path(output_dir)
+        self.path = self.output_dir / LOCK_NAME
+        self._fd: int | None = None
+
+    def acquire(self) -> str | None:
+        """Take the lock, or raise StartupError naming its holder. Returns a warning when it takes
+        over the record of a run that died."""
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise _refusal(self.output_dir) from None
+        previous = _read_holder(self.output_dir)
+        record = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time()}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(record).encode(), 0)
+        os.fsync(fd)
+        self._fd = fd
+        if previous:
+            return f"warning: {self.path} was left by a run that is gone ({_describe(previous)}); taking it over"
+        return None
+
+    def release(self) -> None:
+        """Clear the record and drop the lock (a clean exit leaves nothing to take over)."""
+        if self._fd is None:
+            return
+        os.ftruncate(self._fd, 0)
+        os.close(self._fd)
+        self._fd = None
+
+
+def _describe(holder: dict) -> str:
+    """'pid 123 on host h, started 2026-12-01 09:00:00' from a lock record."""
+    started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder.get("started", 0)))
+    return f"pid {holder.get('pid', '?')} on host {holder.get('host', '?')}, started {started}"
+
+
+def _read_holder(output_dir: str | Path) -> dict:
+    """The lock file's record (empty when there is none or it cannot be read)."""
+    try:
+        return json.loads((Path(output_dir) / LOCK_NAME).read_text() or "{}")
+    except (OSError, ValueError):
+        return {}
+
+
+def _refusal(output_dir: str | Path) -> StartupError:
+    """The error of a run that finds the folder taken, naming the holder."""
+    return StartupError(
+        f"job.output_dir = {str(output_dir)!r} is in use by another run ({_describe(_read_holder(output_dir))}); "
+        "stop that run or give this one another job.output_dir"
+    )
