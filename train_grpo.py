@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 
 from grpo.config import Config, ConfigError, load_config, write_resolved_config
-from grpo.distributed.faults import GracefulStop, is_connection_lost, peer_lost, restart_count
+from grpo.distributed import error_report
+from grpo.distributed.faults import GracefulStop, PeerLost, is_connection_lost, peer_lost, restart_count
 from grpo.distributed.preflight import check_output_dir, check_shared_output_dir, take_output_lock
 from grpo.distributed.roles import build_roles
 from grpo.errors import TandemError
@@ -54,7 +55,9 @@ def _rendezvous_store(timeout: timedelta) -> dist.Store:
         is_master=rank == 0 and not agent_hosts_store,
         timeout=timeout,
     )
-    return dist.PrefixStore(f"tandem/attempt_{restart_count()}", store)
+    store = dist.PrefixStore(f"tandem/attempt_{restart_count()}", store)
+    error_report.attach(store)
+    return store
 
 
 def init_distributed(cfg: Config) -> torch.device:
@@ -133,28 +136,35 @@ def run(cfg: Config, stop: GracefulStop) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    error_report.attach(None)
     try:
         cfg = load_config(argv)
     except ConfigError as error:
-        print(f"config error: {error}", file=sys.stderr)
+        error_report.config_error(f"config error: {error}")
         return 2
     # Signals stay deferred until this rank has said why it stops: when a rank dies, torchrun sends
     # SIGTERM to the others, which must not cut their teardown and error line short.
     with GracefulStop() as stop:
         try:
             run(cfg, stop)
+        except PeerLost as error:
+            error_report.lost_peers(f"error: {error}")
+            return 1
         except TandemError as error:
-            print(f"error: {error}", file=sys.stderr)
+            error_report.own_error(f"error: {error}")
             return 1
         except RunAborted:
             # Silent: the rank that failed has printed the one line.
             return 1
-        except (RuntimeError, dist.DistError) as error:
-            if not is_connection_lost(error):
+        except BaseException as error:
+            if isinstance(error, KeyboardInterrupt) or stop.forced:
+                error_report.own_error("stopped at once by a second Ctrl-C: nothing was saved after the last checkpoint")
+                return 130
+            if not (isinstance(error, (RuntimeError, dist.DistError)) and is_connection_lost(error)):
                 raise
             # A collective outside the loop's named waits (start-up, the final barrier) lost its peers.
             rank = os.environ.get("RANK", "0")
-            print(f"error: {peer_lost(f'rank {rank}', 'the other ranks')}", file=sys.stderr)
+            error_report.lost_peers(f"error: {peer_lost(f'rank {rank}', 'the other ranks')}")
             return 1
     return 0
 

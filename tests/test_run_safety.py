@@ -43,12 +43,17 @@ def our_traceback(stderr: str) -> bool:
 
 def snapshot(run_dir: Path) -> dict[str, bytes]:
     """Every file under run_dir with its bytes, but for checkpoints still being written (a running
-    run renames them away while we read)."""
-    return {
-        str(p.relative_to(run_dir)): p.read_bytes()
-        for p in sorted(run_dir.rglob("*"))
-        if p.is_file() and not any(part.startswith(".tmp-") for part in p.relative_to(run_dir).parts)
-    }
+    run renames them away while we read; a walk that meets one mid-rename starts again)."""
+    for _ in range(20):
+        try:
+            return {
+                str(p.relative_to(run_dir)): p.read_bytes()
+                for p in sorted(run_dir.rglob("*"))
+                if p.is_file() and not any(part.startswith(".tmp-") for part in p.relative_to(run_dir).parts)
+            }
+        except FileNotFoundError:
+            time.sleep(0.05)
+    raise AssertionError(f"{run_dir} kept changing while it was read")
 
 
 def launch_until_reward_call(args: list[str], env: dict[str, str], pid_file: Path) -> tuple[subprocess.Popen, int]:

@@ -3,6 +3,7 @@ process group exists and reported as one ConfigError line naming the key."""
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -17,6 +18,7 @@ if TYPE_CHECKING:
 def validate_config(cfg: Config, world_size: int) -> None:
     """Raise ConfigError naming the first impossible setting, including rank-layout ones."""
     _check_choices(cfg)
+    _check_job(cfg)
     _check_paths(cfg)
     _check_model(cfg)
     _check_data(cfg)
@@ -247,6 +249,22 @@ def _check_metrics(cfg: Config) -> None:
     _require(mt.samples_every >= 0, "metrics.samples_every", mt.samples_every, "must be >= 0 (0 = never)")
     _require(mt.samples_prompts >= 1, "metrics.samples_prompts", mt.samples_prompts, "must be >= 1")
     _require(mt.peak_tflops >= 0, "metrics.peak_tflops", mt.peak_tflops, "must be >= 0 (0 = built-in table)")
+    for flag, package in (("tensorboard", "tensorboard"), ("wandb", "wandb")):
+        if getattr(mt, flag) and importlib.util.find_spec(package) is None:
+            raise ConfigError(f"metrics.{flag} = true needs the {package} package: pip install {package}")
+
+
+def _check_job(cfg: Config) -> None:
+    """[job]: a device that is there."""
+    if cfg.job.device == "cuda":
+        # Imported only for this key: reading a config loads no torch otherwise.
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                'job.device = "cuda" but this machine has no CUDA device (or this torch build has no CUDA); '
+                'use job.device = "cpu" or "auto"'
+            )
 
 
 def _check_parallelism(cfg: Config, world_size: int) -> None:

@@ -61,6 +61,17 @@ class _DatasetSource:
     def train_prompts(self, step: int, count: int, round_index: int = 0) -> list[Prompt]:
         return self.dataset.batch(step - 1, count, round_index)
 
+    def _check_enough(self, cfg: Config) -> None:
+        """A step's batch must fit in the training prompts: found now, not after the first evaluation."""
+        d, left = cfg.data, len(self.dataset)
+        if left < d.prompts_per_step:
+            held = f"eval.num_prompts = {cfg.eval.num_prompts} held out, " if self.eval_prompts else ""
+            raise ValueError(
+                f"{d.path!r} leaves {left} training prompts ({held}{self.dataset.num_skipped} skipped as too "
+                f"long), fewer than data.prompts_per_step = {d.prompts_per_step}; lower eval.num_prompts "
+                "or data.prompts_per_step, or add prompts"
+            )
+
 
 class FileSource(_DatasetSource):
     """Prompts from the JSONL / Parquet file or folder at data.path; eval.num_prompts of them held out."""
@@ -77,6 +88,7 @@ class FileSource(_DatasetSource):
             **_render_options(cfg),
         )
         self.eval_prompts = self.dataset.eval_prompts
+        self._check_enough(cfg)
 
 
 class GymSource(_DatasetSource):
@@ -100,3 +112,4 @@ class GymSource(_DatasetSource):
             dataclasses.replace(p, index=-(i + 1))
             for i, p in enumerate(PromptDataset(held_out, tokenizer, **render).prompts)
         ]
+        self._check_enough(cfg)

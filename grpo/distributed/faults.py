@@ -34,8 +34,9 @@ def is_connection_lost(error: BaseException) -> bool:
 def peer_lost(who: str, what: str) -> PeerLost:
     """The one line for a rank whose peers vanished while it waited for `what`."""
     return PeerLost(
-        f"{who} lost its connection while waiting for {what}: they stopped answering (a rank of the job died; "
-        "its own error, if it printed one, is above); run the same command to resume from the last checkpoint"
+        f"{who} lost its connection while waiting for {what}: they stopped answering (a rank of the job died "
+        "without a word: killed, out of memory, or a crash in native code); run the same command to resume "
+        "from the last checkpoint"
     )
 
 
@@ -50,6 +51,7 @@ class GracefulStop:
 
     def __init__(self) -> None:
         self.signal_number = 0
+        self.forced = False
         self._previous: dict[int, object] = {}
 
     def __enter__(self) -> GracefulStop:
@@ -66,6 +68,8 @@ class GracefulStop:
 
     def _handle(self, number: int, frame) -> None:
         if number == signal.SIGINT and self.signal_number == signal.SIGINT:
+            # Libraries may wrap the KeyboardInterrupt (DCP does): `forced` tells the caller why it stopped.
+            self.forced = True
             raise KeyboardInterrupt
         self.signal_number = number
 

@@ -17,10 +17,20 @@ from grpo.engine.native import NativeEngine
 from grpo.engine.types import (
     Completion,
     Engine,
+    EngineCapacityError,
     GenerationOutOfMemory,
     GenerationRequest,
     SamplingParams,
     WeightUpdate,
 )
 
-__all__ = ["Completion", "Engine", "GenerationOutOfMemory", "GenerationRequest", "NativeEngine", "SamplingParams", "WeightUpdate"]
+__all__ = [
+    "Completion",
+    "Engine",
+    "EngineCapacityError",
+    "GenerationOutOfMemory",
+    "GenerationRequest",
+    "NativeEngine",
+    "SamplingParams",
+    "WeightUpdate",
+]

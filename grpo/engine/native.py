@@ -30,6 +30,7 @@ from grpo.engine.decode import DecodeStep
 from grpo.engine.sampling import request_keys, sample, vocab_hash
 from grpo.engine.types import (
     Completion,
+    EngineCapacityError,
     GenerationOutOfMemory,
     GenerationRequest,
     SamplingParams,
@@ -143,7 +144,7 @@ class NativeEngine:
         budget = kv_budget_bytes(per_slot, self.max_batch_size + 1, self.device, self.kv_cache_gb, self.kv_cache_fraction)
         num_slots = slots_for_budget(self.args, max_seq_len, self.dtype, budget, self.max_batch_size)
         if num_slots < 1:
-            raise ValueError(
+            raise EngineCapacityError(
                 f"generator: a KV cache of {budget / 1e9:.3g} GB holds no sequence of {max_seq_len} tokens "
                 f"({2 * per_slot / 1e9:.3g} GB needed for one slot plus the scratch slot); raise "
                 f"generation.kv_cache_gb or lower generation.max_seq_len"
@@ -222,7 +223,7 @@ class NativeEngine:
             if not 1 <= budget <= sp.max_new_tokens:
                 raise ValueError(f"request max_new_tokens {budget} is outside 1..{sp.max_new_tokens}")
             if len(r.prompt_tokens) + budget > self.cache.max_len:
-                raise ValueError(
+                raise EngineCapacityError(
                     f"generator: a prompt of {len(r.prompt_tokens)} tokens + {budget} new tokens exceeds the "
                     f"KV slot of {self.cache.max_len} tokens; raise generation.max_seq_len"
                 )

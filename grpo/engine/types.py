@@ -15,6 +15,11 @@ from grpo.errors import TandemError
 WeightUpdate = tuple[str, tuple[slice, ...], torch.Tensor]
 
 
+class EngineCapacityError(TandemError, ValueError):
+    """A generation setting leaves the engine no room for what it must hold (a KV slot, a sequence,
+    a weight row); the message names the setting to raise."""
+
+
 class GenerationOutOfMemory(TandemError, RuntimeError):
     """A single request does not fit in the generator's memory (its prompt plus max_new_tokens)."""
 

@@ -41,6 +41,7 @@ from grpo.engine.cache import kv_budget_bytes, slot_bytes
 from grpo.engine.sampling import request_keys
 from grpo.engine.types import (
     Completion,
+    EngineCapacityError,
     GenerationRequest,
     SamplingParams,
     WeightUpdate,
@@ -188,7 +189,7 @@ class VLLMEngine:
         numel = min(int(staging_mb * 2**20) // itemsize, model)
         widest = max(math.prod(s[1:]) for s in self._shapes.values())
         if numel < widest:
-            raise ValueError(
+            raise EngineCapacityError(
                 f"vLLM engine: a staging buffer of {staging_mb:g} MB holds no row of the widest parameter "
                 f"({widest * itemsize / 2**20:.2f} MB)"
             )

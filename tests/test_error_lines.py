@@ -1,0 +1,139 @@
+"""Errors reach the user as one line, once per launch, with the right advice, and last on screen.
+
+Each case is a mistake a user makes (a backend that is not installed, a device that is not there,
+a KV cache too small, a held-out split too large, a second Ctrl-C, a reward module that does not
+exist) and asserts the line the user sees and that no traceback from the project comes with it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import train_grpo
+from fixtures.hf import build_checkpoint
+from grpo.config import ConfigError, load_config
+from tests.test_e2e import REPO, command, launch, launch_env
+
+ONE_RANK = ["--parallelism.mode=colocated", "--job.device=cpu", "--eval.num_prompts=4", "--training.steps=2"]
+
+
+@pytest.fixture(autouse=True)
+def own_environment(monkeypatch):
+    """main run in this process sets RANK, MASTER_PORT, ...; they must not leak into later launches."""
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+
+
+def our_traceback(output: str) -> bool:
+    """A traceback through the project's own files (torchrun's own summary is not ours)."""
+    return f'File "{REPO}' in output
+
+
+def test_a_metrics_backend_that_is_not_installed_is_a_config_error(tmp_path, capsys):
+    if importlib.util.find_spec("wandb") is not None:
+        pytest.skip("wandb is installed here")
+    with pytest.raises(ConfigError, match=r"metrics.wandb = true needs the wandb package: pip install wandb"):
+        load_config(["--metrics.wandb=true"], world_size=2)
+    run_dir = tmp_path / "run"
+    assert train_grpo.main([*ONE_RANK, "--metrics.wandb=true", f"--job.output_dir={run_dir}"]) == 2
+    err = capsys.readouterr().err
+    assert "config error: metrics.wandb = true needs the wandb package" in err and "Traceback" not in err
+    assert not run_dir.exists(), "nothing is written before the config is valid"
+
+
+def test_a_cuda_device_on_a_machine_without_one_is_a_config_error():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(ConfigError, match=r'job.device = "cuda" but this machine has no CUDA device'):
+        load_config(["--job.device=cuda"], world_size=2)
+
+
+def test_a_kv_cache_too_small_for_one_sequence_is_one_line(tmp_path, capsys):
+    code = train_grpo.main([*ONE_RANK, "--generation.kv_cache_gb=0.0000001", f"--job.output_dir={tmp_path}"])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert code == 1 and len(lines) == 1, err
+    assert "holds no sequence" in lines[0] and "raise generation.kv_cache_gb" in lines[0]
+    assert "Traceback" not in err
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    return build_checkpoint(tmp_path_factory.mktemp("hf") / "tiny")
+
+
+def test_a_held_out_split_that_leaves_too_few_training_prompts_stops_at_start(checkpoint, tmp_path, capsys):
+    data = tmp_path / "twelve.jsonl"
+    data.write_text("".join(json.dumps({"question": f"What is {i} + 1?", "answer": str(i + 1)}) + "\n" for i in range(12)))
+    run_dir = tmp_path / "run"
+    code = train_grpo.main([
+        *ONE_RANK, f"--model.path={checkpoint}", f"--data.path={data}", "--eval.num_prompts=10",
+        "--data.prompts_per_step=4", '--rewards.functions=["math_accuracy"]', f"--job.output_dir={run_dir}",
+    ])
+    err = capsys.readouterr().err
+    assert code == 1 and "Traceback" not in err
+    assert (
+        f"error: {str(data)!r} leaves 2 training prompts (eval.num_prompts = 10 held out, 0 skipped as too long), "
+        "fewer than data.prompts_per_step = 4" in err
+    )
+    assert not (run_dir / "metrics.jsonl").exists(), "found at start-up, before the step-0 evaluation"
+
+
+def test_a_second_ctrl_c_stops_at_once_in_one_line(tmp_path):
+    args = [*ONE_RANK[:2], "--training.steps=100000", "--eval.num_prompts=4", "--model.dim=256", "--model.n_layers=4",
+            "--model.ffn_dim=1024", "--data.prompts_per_step=64", "--rewards.num_workers=0", f"--job.output_dir={tmp_path}"]
+    proc = subprocess.Popen(command(args, None), cwd=REPO, env=launch_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "metrics.jsonl").exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(1.0)  # inside a step (of about two seconds)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, (out[-1500:], err[-3000:])
+    assert "stopped at once by a second Ctrl-C" in err
+    assert "Traceback" not in out + err, err[-3000:]
+
+
+def test_a_reward_error_in_a_two_rank_launch_is_said_once_and_is_torchruns_root_cause(tmp_path):
+    result = launch(
+        ["--eval.num_prompts=4", "--training.steps=2", '--rewards.functions=["nosuchmodule:f"]',
+         f"--job.output_dir={tmp_path}"],
+        nproc=2,
+    )
+    line = "error: reward function 'nosuchmodule:f': cannot import module 'nosuchmodule' (No module named 'nosuchmodule')"
+    lines = result.stderr.splitlines()
+    assert result.returncode != 0
+    assert lines.count(line) == 1, result.stderr[-3000:]
+    assert "rank 1 stopped: see its error above" in lines
+    assert "run the same command to resume" not in result.stderr
+    assert not our_traceback(result.stderr)
+    tail = "\n".join((result.stdout + result.stderr).splitlines()[-15:])
+    assert line.removeprefix("error: ") in tail, tail
+
+
+def test_without_a_store_every_rank_says_its_line(monkeypatch, capsys):
+    """The fallback when the launch's store does not answer: the line is never lost."""
+    from grpo.distributed import error_report
+
+    class DeadStore:
+        def set_timeout(self, timeout):
+            raise RuntimeError("store is gone")
+
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", os.devnull)
+    error_report.attach(DeadStore())
+    error_report.own_error("error: first")
+    error_report.lost_peers("error: lost")
+    assert capsys.readouterr().err.splitlines() == ["error: first", "error: lost"]
+    error_report.attach(None)
