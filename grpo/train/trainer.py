@@ -183,20 +183,9 @@ class Trainer:
 
     def _train(self, batch: EpisodeBatch) -> dict[str, float]:
         minibatches = self._micro_batches(batch)
-        every_micro_batch = [mb for m in minibatches for mb in m]
         # π_old equals π_θ at the first update; it needs its own pass only when there are later ones.
         recompute_old = self.grpo.num_iterations > 1 or self.grpo.minibatches > 1
-        with torch.no_grad():
-            # Empty micro-batches run too: every rank must join each FSDP all-gather.
-            for mb in every_micro_batch:
-                if recompute_old:
-                    logprobs = self._forward(mb.rows).logprobs
-                    if mb.rows is not None:
-                        mb.old_logprobs = logprobs
-                if self.reference is not None:
-                    logprobs = self._forward(mb.rows, self.reference).logprobs
-                    if mb.rows is not None:
-                        mb.ref_logprobs = logprobs
+        self._frozen_passes([mb for m in minibatches for mb in m], recompute_old)
         # Summed and maximal statistics stay on the device until the step ends: reading them per
         # micro-batch would make the host wait for the device every time.
         tally = _Tally(self.device)
@@ -211,41 +200,7 @@ class Trainer:
             for m, (micro_batches, norm) in enumerate(zip(minibatches, norms)):
                 local_loss = torch.zeros((), dtype=torch.float64, device=self.device)
                 for mb in micro_batches:
-                    out = self._forward(mb.rows)
-                    if mb.rows is None:
-                        (out.logprobs.sum() * 0.0).backward()
-                        continue
-                    rows = mb.rows
-                    mask = self._to_device(rows.loss_mask)
-                    gen = self._to_device(rows.gen_logprobs)
-                    old = mb.old_logprobs if recompute_old else out.logprobs.detach()
-                    terms = policy_loss(
-                        out.logprobs,
-                        old,
-                        gen,
-                        mb.ref_logprobs,
-                        out.entropy,
-                        self._to_device(rows.advantages),
-                        mask,
-                        self._to_device(rows.doc_ids),
-                        self.loss_settings,
-                        norm,
-                        num_seqs=int(rows.doc_ids.max()) + 1,
-                    )
-                    (terms.loss * norm.world_size).backward()
-                    if self.one_rank is not None:
-                        self.one_rank.accumulate()
-                    local_loss += terms.loss.detach()
-                    for key, value in terms.stats.items():
-                        if key == "ratio_max":
-                            tally.max("ratio_max", value)
-                        else:
-                            tally.add(key, value)
-                    if iteration == 0:
-                        diff = (old - gen).abs() * mask
-                        tally.add("diff_sum", diff.sum())
-                        tally.max("diff_max", diff.max())
-                        tally.add("diff_exact", ((old == gen) & (mask > 0)).sum())
+                    local_loss += self._backward(mb, norm, recompute_old, tally, first_iteration=iteration == 0)
                 loss, grad_norm, reason = self._update(local_loss)
                 if reason:
                     skipped += 1
@@ -256,7 +211,69 @@ class Trainer:
         # The schedule follows RL steps, not applied updates: a skipped update does not delay it.
         lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
+        return self._metrics(tally, losses, grad_norms, skipped, lr)
 
+    @torch.no_grad()
+    def _frozen_passes(self, micro_batches: list[_MicroBatch], recompute_old: bool) -> None:
+        """π_old's log-probs (when recompute_old) and the reference's (with a KL term) for every
+        micro-batch, before any update. Empty micro-batches run too: every rank must join each FSDP
+        all-gather."""
+        for mb in micro_batches:
+            if recompute_old:
+                logprobs = self._forward(mb.rows).logprobs
+                if mb.rows is not None:
+                    mb.old_logprobs = logprobs
+            if self.reference is not None:
+                logprobs = self._forward(mb.rows, self.reference).logprobs
+                if mb.rows is not None:
+                    mb.ref_logprobs = logprobs
+
+    def _backward(
+        self, mb: _MicroBatch, norm: Normalizers, recompute_old: bool, tally: _Tally, first_iteration: bool
+    ) -> torch.Tensor:
+        """Forward and backward of one micro-batch's share of the minibatch loss; returns that share
+        (0-d, detached) and adds its statistics (and, in the first iteration, the generator-trainer
+        log-prob gap) to `tally`."""
+        out = self._forward(mb.rows)
+        if mb.rows is None:
+            (out.logprobs.sum() * 0.0).backward()
+            return torch.zeros((), dtype=torch.float64, device=self.device)
+        rows = mb.rows
+        mask = self._to_device(rows.loss_mask)
+        gen = self._to_device(rows.gen_logprobs)
+        old = mb.old_logprobs if recompute_old else out.logprobs.detach()
+        terms = policy_loss(
+            out.logprobs,
+            old,
+            gen,
+            mb.ref_logprobs,
+            out.entropy,
+            self._to_device(rows.advantages),
+            mask,
+            self._to_device(rows.doc_ids),
+            self.loss_settings,
+            norm,
+            num_seqs=int(rows.doc_ids.max()) + 1,
+        )
+        (terms.loss * norm.world_size).backward()
+        if self.one_rank is not None:
+            self.one_rank.accumulate()
+        for key, value in terms.stats.items():
+            if key == "ratio_max":
+                tally.max("ratio_max", value)
+            else:
+                tally.add(key, value)
+        if first_iteration:
+            diff = (old - gen).abs() * mask
+            tally.add("diff_sum", diff.sum())
+            tally.max("diff_max", diff.max())
+            tally.add("diff_exact", ((old == gen) & (mask > 0)).sum())
+        return terms.loss.detach()
+
+    def _metrics(
+        self, tally: _Tally, losses: list[float], grad_norms: list[float], skipped: int, lr: float
+    ) -> dict[str, float]:
+        """The step's training metrics, reduced over the trainer ranks."""
         summed, maxima = tally.global_values(self.group)
         diff_total = summed.get("diff_sum", 0.0)
         ratio_max, diff_max = maxima.get("ratio_max", 0.0), maxima.get("diff_max", 0.0)
