@@ -4,11 +4,13 @@ ranks do, in the order they meet (the async step is in async_step.py)."""
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
+from grpo.data.prompt import Prompt
 from grpo.distributed.collectives import all_reduce
-from grpo.rollout.episode import concat_episodes
+from grpo.rollout.episode import EpisodeBatch, concat_episodes
 from grpo.run.rank import Run
 
 
@@ -44,73 +46,89 @@ def evaluate(run: Run) -> dict[str, float]:
     }
 
 
-def sync_step(run: Run, step: int, with_samples: bool = False) -> tuple[dict[str, float], list[dict]]:
-    """One RL step; returns the step's metrics on trainer ranks ({} on generator-only ranks) and,
-    when asked, a few of this rank's episodes as readable samples.
+@dataclass
+class _Rounds:
+    """What a step's generation rounds produced, on this rank."""
 
-    With dynamic sampling, generation rounds of fresh prompts repeat until data.prompts_per_step
-    groups survive the zero-variance filter (or the rounds run out); surplus groups of the last
-    round are dropped in prompt order so every step trains on the same number of groups.
-    """
+    generated: list[EpisodeBatch] = field(default_factory=list)  # every scored episode (trainer ranks)
+    kept: list[EpisodeBatch] = field(default_factory=list)  # the groups to train on, with advantages
+    reward_sums: dict[str, float] = field(default_factory=dict)  # reward function -> sum over episodes
+    prompts: dict[int, Prompt] = field(default_factory=dict)  # every prompt drawn, by index
+    generate_s: float = 0.0
+    score_s: float = 0.0
+    filtered: int = 0  # groups this rank dropped for zero reward variance
+    kept_groups: int = 0  # groups kept over all trainer ranks
+    count: int = 0  # rounds run
+    memory: dict[str, float] = field(default_factory=dict)  # peak device memory (GB) per phase
+
+
+def _generate_rounds(run: Run, step: int) -> _Rounds:
+    """Generate, score and compute advantages for the step's prompts: one round, or with dynamic
+    sampling rounds of fresh prompts until data.prompts_per_step groups survive the zero-variance
+    filter (or the rounds run out). Surplus groups of the last round are dropped in prompt order."""
     cfg, G, target = run.cfg, run.cfg.grpo.group_size, run.cfg.data.prompts_per_step
-    start = time.perf_counter()
-    rounds = cfg.grpo.dynamic_sampling_max_rounds if cfg.grpo.dynamic_sampling else 1
-    generated, kept, reward_sums, prompts_seen = [], [], {}, {}
-    generate_s = score_s = 0.0
-    filtered = kept_groups = 0
-    # peak device memory (GB) of this rank in each phase of the step
-    memory: dict[str, float] = {}
-    for round_index in range(rounds):
+    out = _Rounds()
+    for round_index in range(cfg.grpo.dynamic_sampling_max_rounds if cfg.grpo.dynamic_sampling else 1):
+        out.count = round_index + 1
         prompts = run.source.train_prompts(step, target, round_index)
-        prompts_seen.update((p.index, p) for p in prompts)
-        with run.peak_memory("memory/generate_peak_gb", memory):
+        out.prompts.update((p.index, p) for p in prompts)
+        with run.peak_memory("memory/generate_peak_gb", out.memory):
             episodes, seconds = run.collect_episodes(prompts, G, step)
-        generate_s += seconds
+        out.generate_s += seconds
         score_start = time.perf_counter()
         for name, total in run.score(episodes, prompts).items():
-            reward_sums[name] = reward_sums.get(name, 0.0) + total
+            out.reward_sums[name] = out.reward_sums.get(name, 0.0) + total
         if run.roles.is_trainer:
-            generated.append(episodes)
+            out.generated.append(episodes)
             episodes, dropped = run.advantages(episodes)
-            filtered += dropped
-            kept.append(episodes)
-        score_s += time.perf_counter() - score_start
-        local_groups = len(kept[-1]) // G if run.roles.is_trainer else 0
+            out.filtered += dropped
+            out.kept.append(episodes)
+        out.score_s += time.perf_counter() - score_start
+        local_groups = len(out.kept[-1]) // G if run.roles.is_trainer else 0
         round_groups = int(run.agree(float(local_groups), dist.ReduceOp.SUM))
-        if cfg.grpo.dynamic_sampling and kept_groups + round_groups > target:
+        if cfg.grpo.dynamic_sampling and out.kept_groups + round_groups > target:
             if run.roles.is_trainer:
-                kept[-1] = run.first_groups(kept[-1], target - kept_groups)
-            round_groups = target - kept_groups
-        kept_groups += round_groups
-        if kept_groups >= target:
+                out.kept[-1] = run.first_groups(out.kept[-1], target - out.kept_groups)
+            round_groups = target - out.kept_groups
+        out.kept_groups += round_groups
+        if out.kept_groups >= target:
             break
+    return out
+
+
+def sync_step(run: Run, step: int, with_samples: bool = False) -> tuple[dict[str, float], list[dict]]:
+    """One RL step; returns the step's metrics on trainer ranks ({} on generator-only ranks) and,
+    when asked, a few of this rank's episodes as readable samples. Every step trains on the same
+    number of groups (see `_generate_rounds`)."""
+    start = time.perf_counter()
+    rounds = _generate_rounds(run, step)
     if not run.roles.split and run.cfg.generation.release_kv_cache:
         run.engine.release_cache()
     train_start = time.perf_counter()
     train_metrics = {}
     if run.roles.is_trainer:
         with run.waiting(f"the other {run.peers()[1]} (FSDP collectives)"):
-            with run.peak_memory("memory/train_peak_gb", memory):
-                train_metrics = run.trainer.train(concat_episodes(kept, run.tokenizer.pad_id))
-            train_metrics.update(memory)
+            with run.peak_memory("memory/train_peak_gb", rounds.memory):
+                train_metrics = run.trainer.train(concat_episodes(rounds.kept, run.tokenizer.pad_id))
+            train_metrics.update(rounds.memory)
     train_end = time.perf_counter()
     sync_s = run.sync_weights(step)
     if not run.roles.is_trainer:
         return {}, []
-    episodes = concat_episodes(generated, run.tokenizer.pad_id)
-    if cfg.grpo.filter_zero_variance:
-        groups = all_reduce({"filtered": float(filtered)}, run.trainer_group)
+    episodes = concat_episodes(rounds.generated, run.tokenizer.pad_id)
+    if run.cfg.grpo.filter_zero_variance:
+        groups = all_reduce({"filtered": float(rounds.filtered)}, run.trainer_group)
         train_metrics["grpo/groups_filtered"] = groups["filtered"]
-        train_metrics["grpo/groups_trained"] = float(kept_groups)
-        train_metrics["grpo/generation_rounds"] = float(round_index + 1)
+        train_metrics["grpo/groups_trained"] = float(rounds.kept_groups)
+        train_metrics["grpo/generation_rounds"] = float(rounds.count)
     times = {
-        "time/generate_s": generate_s,
-        "time/score_s": score_s,
+        "time/generate_s": rounds.generate_s,
+        "time/score_s": rounds.score_s,
         "time/train_s": train_end - train_start,
         "time/weight_sync_s": sync_s,
         "time/step_s": time.perf_counter() - start,
     }
-    metrics, times = run.step_metrics(step, episodes, reward_sums, train_metrics, times)
+    metrics, times = run.step_metrics(step, episodes, rounds.reward_sums, train_metrics, times)
     if run.roles.split:
         # Split roles wait on each other: generators while trainers score and train, trainers
         # while generators generate.
@@ -118,5 +136,5 @@ def sync_step(run: Run, step: int, with_samples: bool = False) -> tuple[dict[str
         metrics["time/trainer_idle_s"] = (
             times["time/step_s"] - times["time/score_s"] - times["time/train_s"] - times["time/weight_sync_s"]
         )
-    samples = run.samples(episodes, prompts_seen) if with_samples else []
+    samples = run.samples(episodes, rounds.prompts) if with_samples else []
     return metrics, samples
