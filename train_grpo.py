@@ -29,7 +29,7 @@ from grpo.errors import TandemError
 from grpo.run.loop import run_loop
 from grpo.run.rank import Run, RunAborted
 from grpo.scoring.scorer import Scorer
-from grpo.train.checkpoint import find_resume
+from grpo.train.checkpoint_folders import find_resume
 from model import batch_invariant
 
 

@@ -16,15 +16,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from grpo.distributed.preflight import StartupError, check_free_disk, check_output_dir
-from grpo.train.checkpoint import (
-    CheckpointMismatch,
-    check_matches,
-    checkpoint_root,
-    complete_checkpoints,
-    find_resume,
-    load_checkpoint,
-    save_checkpoint,
-)
+from grpo.train.checkpoint import load_checkpoint, save_checkpoint
+from grpo.train.checkpoint_folders import CheckpointMismatch, check_matches, checkpoint_root, complete_checkpoints, find_resume
 from grpo.train.trainer import Trainer
 from model import Transformer
 from tests.dist_utils import one_thread, run_ranks

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -189,3 +190,17 @@ def test_run_state_records_where_the_run_is(tmp_path):
     assert state["lr_scheduler"]["last_epoch"] == 2
     assert state["evals"]["first"]["eval/reward_mean"] == metrics(tmp_path)[0]["eval/reward_mean"]
     assert (tmp_path / "checkpoints" / "step_2" / "rng" / "rank_0.pt").is_file()
+
+
+def test_the_summary_after_a_resume_counts_the_whole_run(tmp_path):
+    """A run in two launches ends with the time of both, and says where this launch resumed."""
+    one_rank = [*RESUME, "--parallelism.mode=colocated", f"--job.output_dir={tmp_path}"]
+    first = launch([*one_rank, "--training.steps=2"], nproc=None)
+    assert first.returncode == 0, first.stderr[-3000:]
+    saved = json.loads((tmp_path / "checkpoints" / "step_2" / "run_state.json").read_text())["seconds"]
+    second = launch([*one_rank, "--training.steps=4"], nproc=None)
+    assert second.returncode == 0, second.stderr[-3000:]
+    done = re.search(r"done: 4 steps in (\d+) s \(resumed at step 2; (\d+) s in this launch\)", second.stdout)
+    assert done, second.stdout[-2000:]
+    total, this_launch = int(done.group(1)), int(done.group(2))
+    assert saved > 0 and abs(total - (saved + this_launch)) <= 1

@@ -8,7 +8,9 @@ are known):
     take_output_lock         no other run uses job.output_dir (the lock below)
     check_shared_output_dir  every rank sees the same folder (after the lock: a refused run must
                              not write into a folder another run owns)
-    check_checkpoints        the checkpoint to resume holds this model, and one more fits on disk
+    check_checkpoints        the checkpoint to resume holds this model, and what the run will still
+                             write fits on disk (`disk_needed`); run again on the checkpoint a
+                             resume falls back to, when the newest one does not load
 
 One run per output folder: the first trainer rank holds `flock` on `<output_dir>/.tandem.lock`
 for the life of the run; the file records the holder's host, pid and start time. The kernel drops
@@ -34,9 +36,11 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from grpo.config import Config
 from grpo.distributed.collectives import all_reduce
 from grpo.errors import TandemError
-from grpo.train.checkpoint import check_matches, checkpoint_bytes
+from grpo.train.checkpoint import checkpoint_bytes, describe_bytes, export_bytes
+from grpo.train.checkpoint_folders import check_matches, checkpoint_root, complete_checkpoints, saved_step, step_of
 
 LOCK_NAME = ".tandem.lock"
 
@@ -85,24 +89,60 @@ def check_shared_output_dir(path: str | Path, rank: int, leader: int) -> None:
         )
 
 
-def check_free_disk(path: str | Path, needed_bytes: int) -> None:
-    """Raise StartupError when the disk holding `path` has less room than `needed_bytes`."""
+def check_free_disk(path: str | Path, needed_bytes: int, what: str = "one checkpoint") -> None:
+    """Raise StartupError when the disk holding `path` has less room than `needed_bytes` (for `what`)."""
     free = shutil.disk_usage(path).free
     if free < needed_bytes:
         raise StartupError(
-            f"not enough free disk for one checkpoint in {str(path)!r}: it needs about "
-            f"{needed_bytes / 1e9:.2f} GB and {free / 1e9:.2f} GB are free "
+            f"not enough free disk for {what} in {str(path)!r}: it needs about "
+            f"{describe_bytes(needed_bytes)} and {describe_bytes(free)} are free "
             "(free some space, or point job.output_dir at a larger disk)"
         )
 
 
-def check_checkpoints(output_dir: str | Path, shapes: dict[str, tuple[int, ...]], resume: Path | None) -> None:
-    """Given the model's parameter shapes, before any model is built: raise CheckpointMismatch
-    unless checkpoint `resume` (when there is one) holds exactly these shapes, and StartupError
-    unless the disk under `output_dir` has room for one checkpoint of them."""
+def check_checkpoints(cfg: Config, shapes: dict[str, tuple[int, ...]], resume: Path | None) -> None:
+    """Given the model's parameter shapes, before any model is built (and for each checkpoint a
+    resume falls back to): raise CheckpointMismatch unless checkpoint `resume` (when there is one)
+    holds exactly these shapes, and StartupError unless the disk under job.output_dir has room for
+    what the run will still write from there (`disk_needed`)."""
     if resume is not None:
         check_matches(resume, shapes)
-    check_free_disk(output_dir, checkpoint_bytes(shapes))
+    start = saved_step(resume) if resume is not None else 0
+    root = checkpoint_root(cfg.job.output_dir)
+    on_disk = sum(step_of(path) <= start for path in complete_checkpoints(root))
+    needed, what = disk_needed(cfg, checkpoint_bytes(shapes), export_bytes(shapes), start, on_disk)
+    check_free_disk(cfg.job.output_dir, needed, what)
+
+
+def disk_needed(cfg: Config, checkpoint_size: int, export_size: int, start_step: int, on_disk: int) -> tuple[int, str]:
+    """(bytes, what they are in words) that a run continuing after `start_step`, with `on_disk` of
+    its checkpoints already there, adds to the disk at its fullest. Each save is whole before the
+    oldest checkpoint beyond checkpoint.keep is deleted, so up to keep + 1 are there at once (keep
+    = 0 keeps every one the run writes: every checkpoint.every steps and at the last step). HF
+    exports are never deleted: every one due counts (every checkpoint.export_hf_every steps and at
+    the last step). A stop or divergence saves early and ends the run: those are not counted."""
+    steps, keep = cfg.training.steps, cfg.checkpoint.keep
+    saves = _due(start_step, steps, cfg.checkpoint.every)
+    checkpoints = saves if keep == 0 or saves == 0 else max(1, min(on_disk + saves, keep + 1) - on_disk)
+    exports = _due(start_step, steps, cfg.checkpoint.export_hf_every)
+    why = "keeps them all" if keep == 0 else "keeps that many, and each new one is written before the oldest is deleted"
+    what = (
+        f"{_count(checkpoints, 'more checkpoint')} of about {describe_bytes(checkpoint_size)} (checkpoint.keep = "
+        f"{keep} {why}) and {_count(exports, 'HF export')} of about {describe_bytes(export_size)}"
+    )
+    return checkpoints * checkpoint_size + exports * export_size, what
+
+
+def _due(start: int, end: int, every: int) -> int:
+    """How many of the steps start + 1 .. end a cadence of `every` steps (0 = none) or the last step falls on."""
+    if end <= start:
+        return 0
+    periodic = end // every - start // every if every else 0
+    return periodic + (0 if every and end % every == 0 else 1)
+
+
+def _count(number: int, thing: str) -> str:
+    return f"{number} {thing}{'' if number == 1 else 's'}"
 
 
 def take_output_lock(output_dir: str | Path, is_leader: bool) -> OutputLock | None:

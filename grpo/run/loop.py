@@ -7,6 +7,8 @@ import dataclasses
 import functools
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch.distributed as dist
@@ -14,17 +16,28 @@ import torch.distributed as dist
 from grpo.config import Config
 from grpo.distributed.collectives import all_reduce
 from grpo.distributed.faults import GracefulStop, restart_count
+from grpo.distributed.preflight import StartupError, check_checkpoints
+from grpo.errors import TandemError
 from grpo.observe.metrics import MetricsLogger
 from grpo.observe.report import render_report
 from grpo.run.async_step import AsyncSteps
-from grpo.run.rank import Run, TrainingDiverged
+from grpo.run.rank import Run, RunAborted, TrainingDiverged
 from grpo.run.sync_step import evaluate, sync_step
 from grpo.train.checkpoint import (
-    CheckpointMismatch,
-    checkpoint_root,
+    CheckpointSaveError,
+    checkpoint_bytes,
     load_checkpoint,
     load_inflight,
+    on_every_rank,
     save_checkpoint,
+)
+from grpo.train.checkpoint_folders import (
+    CheckpointDamaged,
+    CheckpointMismatch,
+    checkpoint_root,
+    follows_latest,
+    next_resume,
+    set_aside_newer,
 )
 
 
@@ -38,7 +51,7 @@ def run_loop(cfg: Config, run: Run, resume: Path | None = None, stop: GracefulSt
     start = time.perf_counter()
     is_leader = run.roles.rank == run.roles.leader
     async_steps = AsyncSteps(run) if cfg.training.schedule == "async" else None
-    start_step, bad_steps, evals, inflight = _resume(cfg, run, resume, async_steps is not None)
+    start_step, bad_steps, evals, inflight, earlier_s = _resume(cfg, run, resume, async_steps is not None)
     logger = MetricsLogger(
         cfg.job.output_dir, is_leader, cfg.metrics, cfg.training.steps, start_step, dataclasses.asdict(cfg)
     )
@@ -73,7 +86,8 @@ def run_loop(cfg: Config, run: Run, resume: Path | None = None, stop: GracefulSt
             diverged = bad_steps >= cfg.training.max_bad_steps
             signal_number = int(boundary["signal"])
             if last_step or _every(cfg.checkpoint.every, step) or diverged or signal_number:
-                saved = _save(cfg, run, step, bad_steps, evals, async_steps)
+                seconds = earlier_s + time.perf_counter() - start
+                saved = _save(cfg, run, step, bad_steps, evals, async_steps, seconds)
             if diverged:
                 raise _diverged(cfg, bad_steps, step, saved)
             if signal_number:
@@ -84,21 +98,64 @@ def run_loop(cfg: Config, run: Run, resume: Path | None = None, stop: GracefulSt
                     )
                 return
     if is_leader and evals:
-        _announce_done(cfg, run, logger.path, evals, time.perf_counter() - start)
+        _announce_done(cfg, run, logger.path, evals, time.perf_counter() - start, earlier_s, start_step)
 
 
-def _resume(cfg: Config, run: Run, resume: Path | None, is_async: bool) -> tuple[int, int, dict, dict | None]:
+def _resume(
+    cfg: Config, run: Run, resume: Path | None, is_async: bool
+) -> tuple[int, int, dict, dict | None, float]:
     """Restore checkpoint `resume` (None: a fresh start) into this rank's trainer and RNG. Returns the
     run's (last step, consecutive bad steps, evaluations so far, this rank's batches in flight: async
-    only, None when none were saved). Collective over the trainer ranks."""
+    only, None when none were saved, seconds the earlier launches ran), from `resume` or the
+    checkpoint it falls back to. Collective over every rank."""
     if resume is None:
-        return 0, 0, {}, None
-    state = load_checkpoint(resume, run.trainer, run.trainer_group)
+        return 0, 0, {}, None, 0.0
+    resume, state, inflight = _load_newest_whole(cfg, run, resume, is_async)
     _check_same_schedule(cfg, resume, state, dist.get_world_size())
-    inflight = load_inflight(resume) if is_async else None
     if run.roles.rank == run.roles.leader:
         _announce_resume(cfg, resume, state)
-    return state["step"], state["bad_steps"], state["evals"], inflight
+    # Checkpoints written before the run's time was saved count from their step on.
+    return state["step"], state["bad_steps"], state["evals"], inflight, float(state.get("seconds", 0.0))
+
+
+def _load_newest_whole(cfg: Config, run: Run, path: Path, is_async: bool) -> tuple[Path, dict, dict | None]:
+    """Load checkpoint `path` or, when it fails to load on any rank, the newest older one that
+    loads, each checked against the model and the disk first as at start-up; then the leader sets
+    aside the newer ones (`set_aside_newer`). Returns (the checkpoint loaded, its run state, this
+    rank's batches in flight: async only). Collective over every rank; when no checkpoint loads, the
+    leader raises CheckpointDamaged listing them and the other ranks stop silently."""
+    failed: dict[Path, str] = {}
+    while True:
+        with run.waiting("the checkpoint load on every rank"):
+            loaded, _, failures = on_every_rank(functools.partial(_load, run, path, is_async))
+        if not failures:
+            break
+        rank, failure = next(iter(failures.items()))
+        failed[path] = f"it does not load on rank {rank}: {failure.why}"
+        with _leader_speaks(run, CheckpointDamaged, CheckpointMismatch, StartupError):
+            path = next_resume(cfg.job.output_dir, cfg.checkpoint.resume, failed)
+            check_checkpoints(cfg, run.shapes, path)
+    if follows_latest(cfg.checkpoint.resume) and run.roles.rank == run.roles.leader:
+        set_aside_newer(path, failed)
+    return path, *loaded
+
+
+def _load(run: Run, path: Path, is_async: bool) -> tuple[dict, dict | None]:
+    """This rank's part of loading checkpoint `path`: (its run state, this rank's batches in flight)."""
+    state = load_checkpoint(path, run.trainer, run.trainer_group)
+    return state, load_inflight(path) if is_async else None
+
+
+@contextmanager
+def _leader_speaks(run: Run, *alike: type[TandemError]) -> Iterator[None]:
+    """For errors of the `alike` kinds, which every rank raises alike inside the block: the leader
+    raises its own, to be printed; the other ranks stop silently (RunAborted)."""
+    try:
+        yield
+    except alike:
+        if run.roles.rank == run.roles.leader:
+            raise
+        raise RunAborted() from None
 
 
 def _step_boundary(run: Run, stop: GracefulStop | None, metrics: dict[str, float]) -> dict[str, float]:
@@ -112,17 +169,21 @@ def _step_boundary(run: Run, stop: GracefulStop | None, metrics: dict[str, float
         )
 
 
-def _save(cfg: Config, run: Run, step: int, bad_steps: int, evals: dict, async_steps: AsyncSteps | None) -> Path:
-    """Checkpoint after `step`: the trainer, the run state and, in async mode, the generators'
-    batches in flight. Collective over every rank; returns the checkpoint's folder."""
+def _save(
+    cfg: Config, run: Run, step: int, bad_steps: int, evals: dict, async_steps: AsyncSteps | None, seconds: float
+) -> Path:
+    """Checkpoint after `step`: the trainer, the run state (with `seconds`, the run's time so far over
+    all its launches) and, in async mode, the generators' batches in flight. Collective over every
+    rank; returns the checkpoint's folder."""
     run_state = {"step": step, "policy_version": step, "data_position": _data_position(cfg, step)}
-    run_state.update(bad_steps=bad_steps, evals=evals, schedule=_schedule_of(cfg))
+    run_state.update(bad_steps=bad_steps, evals=evals, schedule=_schedule_of(cfg), seconds=seconds)
     roles = run.roles
-    with run.waiting("the checkpoint save on every rank"):
+    with run.waiting("the checkpoint save on every rank"), _leader_speaks(run, CheckpointSaveError):
         return save_checkpoint(
             checkpoint_root(cfg.job.output_dir), step, run.trainer, run.trainer_group, run_state,
             roles.rank == roles.leader, cfg.checkpoint.keep,
             inflight=async_steps.inflight if async_steps is not None and roles.is_generator else None,
+            needed_bytes=checkpoint_bytes(run.shapes),
         )
 
 
@@ -134,13 +195,17 @@ def _diverged(cfg: Config, bad_steps: int, step: int, saved: Path) -> TrainingDi
     )
 
 
-def _announce_done(cfg: Config, run: Run, metrics_path: Path, evals: dict, seconds: float) -> None:
-    """The leader's last lines: how long the run took, the held-out reward before and after, and
-    where its metrics and report are."""
+def _announce_done(
+    cfg: Config, run: Run, metrics_path: Path, evals: dict, seconds: float, earlier_s: float, start_step: int
+) -> None:
+    """The leader's last lines: how long the run took over all its launches (this launch's share
+    when it resumed at `start_step`), the held-out reward before and after, and where its metrics
+    and report are."""
     first, last = evals["first"], evals["last"]
     roles = run.roles
+    resumed = f" (resumed at step {start_step}; {seconds:.0f} s in this launch)" if start_step else ""
     print(
-        f"done: {cfg.training.steps} steps in {seconds:.0f} s "
+        f"done: {cfg.training.steps} steps in {earlier_s + seconds:.0f} s{resumed} "
         f"({cfg.parallelism.mode}, {len(roles.generator_ranks)} generator / {len(roles.trainer_ranks)} trainer ranks); "
         f"held-out reward {first['eval/reward_mean']:.3f} -> {last['eval/reward_mean']:.3f} "
         f"({'greedy' if cfg.eval.samples == 1 else f'{cfg.eval.samples} samples each'}, "

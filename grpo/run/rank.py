@@ -100,7 +100,8 @@ class Run:
             self.args = builtin_model_args(cfg, self.tokenizer.vocab_size)
         with torch.device("meta"):
             shapes = {name: tuple(p.shape) for name, p in Transformer(self.args).named_parameters()}
-        check_checkpoints(cfg.job.output_dir, shapes, resume)
+        check_checkpoints(cfg, shapes, resume)
+        self.shapes = shapes
         role = "colocated" if not roles.split else "generator" if roles.is_generator else "trainer"
         self.who = f"{role} rank {roles.rank}"
         self.trainer_group = roles.trainer_mesh.get_group() if roles.trainer_mesh is not None else None
