@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.api import CheckpointException, _wrap_exceptio
 
 from grpo.config import load_config
 from grpo.distributed.preflight import StartupError, check_checkpoints, disk_needed
-from grpo.train.checkpoint import CheckpointSaveError, Failure, on_every_rank, save_checkpoint
+from grpo.train.checkpoint import CheckpointSaveError, Failure, export_hf, on_every_rank, save_checkpoint
 from grpo.train.checkpoint_folders import (
     MANIFEST,
     CheckpointDamaged,
@@ -37,6 +37,7 @@ from tests.dist_utils import one_thread, single_process_group
 from tests.test_checkpoint import _trainer
 from tests.test_e2e import REPO, command, launch, launch_env, metrics
 from tests.test_run_safety import our_traceback
+from tests.test_trainer import ARGS
 
 FAST = [
     "--eval.num_prompts=4",
@@ -294,6 +295,20 @@ def test_a_save_that_runs_out_of_space_removes_its_folder(tmp_path, with_trainer
         assert str(raised.value).startswith(f"out of disk space saving checkpoint {root / 'step_2'}: it needs about 4.1 kB")
         assert sorted(p.name for p in root.iterdir()) == ["step_1"]
         assert files_of(older) == before
+
+
+def test_an_hf_export_that_runs_out_of_space_stops_with_one_line_and_removes_its_folder(tmp_path):
+    with small_disk(tmp_path / "small", "1m") as disk, single_process_group(), one_thread():
+        trainer = _trainer(1)
+        weights = sum(p.numel() for p in trainer.model.parameters()) * 4
+        fill(disk, leave=weights // 2)
+        target = disk / "hf" / "step_2"
+        target.parent.mkdir()
+        with pytest.raises(CheckpointSaveError) as raised:
+            export_hf(trainer, ARGS, None, target, is_writer=True, needed_bytes=weights)
+        assert str(raised.value).startswith(f"out of disk space exporting the policy to {target}: it needs about ")
+        assert "\n" not in str(raised.value)
+        assert list(target.parent.iterdir()) == []
 
 
 def test_a_save_without_room_for_one_checkpoint_writes_nothing(tmp_path):

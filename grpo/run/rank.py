@@ -47,7 +47,7 @@ from grpo.rollout.episode import (
 from grpo.rollout.generate import generate_episodes
 from grpo.rollout.transport import exchange_episodes
 from grpo.scoring.scorer import Scorer, score_episodes
-from grpo.train.checkpoint import export_hf
+from grpo.train.checkpoint import export_bytes, export_hf
 from grpo.train.trainer import Trainer
 from model import ModelArgs, Transformer, from_hf
 from model.parallelize import tensor_parallel_layout
@@ -213,7 +213,8 @@ class Run:
         save_tokenizer = None
         if isinstance(self.tokenizer, HFTokenizer):
             save_tokenizer = lambda folder: self.tokenizer.hf.save_pretrained(str(folder))  # noqa: E731
-        export_hf(self.trainer, self.args, save_tokenizer, path, self.roles.rank == self.roles.leader)
+        is_writer = self.roles.rank == self.roles.leader
+        export_hf(self.trainer, self.args, save_tokenizer, path, is_writer, export_bytes(self.shapes))
 
     @contextmanager
     def peak_memory(self, key: str, into: dict[str, float]):

@@ -326,10 +326,17 @@ def export_bytes(shapes: dict[str, tuple[int, ...]]) -> int:
 
 
 def export_hf(
-    trainer: Trainer, args: ModelArgs, tokenizer_save: Callable[[Path], None] | None, path: Path, is_writer: bool
+    trainer: Trainer,
+    args: ModelArgs,
+    tokenizer_save: Callable[[Path], None] | None,
+    path: Path,
+    is_writer: bool,
+    needed_bytes: int = 0,
 ) -> None:
     """Write the fp32 policy as an HF folder (safetensors, config.json and, when given, the tokenizer
-    files via `tokenizer_save(folder)`). Collective over the trainer ranks; written whole, then renamed."""
+    files via `tokenizer_save(folder)`). Collective over the trainer ranks; written whole, then renamed.
+    A write that fails (out of space: about `needed_bytes` are needed) removes its temporary folder and
+    raises CheckpointSaveError on the writer; the other trainer ranks then lose their peer."""
     weights = ((name, tensor) for name, _, tensor in trainer.full_weights(torch.float32))
     if not is_writer:
         for _ in weights:
@@ -337,9 +344,32 @@ def export_hf(
         return
     tmp = path.with_name(f".tmp-{path.name}")
     shutil.rmtree(tmp, ignore_errors=True)
-    save_hf(args, weights, tmp)
-    if tokenizer_save is not None:
-        tokenizer_save(tmp)
+    try:
+        save_hf(args, weights, tmp)
+        if tokenizer_save is not None:
+            tokenizer_save(tmp)
+    except Exception as error:  # safetensors reports a full disk as its own SafetensorError
+        shutil.rmtree(tmp, ignore_errors=True)
+        failed = _export_failed(path, error, needed_bytes)
+        if failed is None:
+            raise
+        raise failed from error
     if path.exists():
         shutil.rmtree(path)
     tmp.rename(path)
+
+
+def _export_failed(path: Path, error: BaseException, needed_bytes: int) -> CheckpointSaveError | None:
+    """The one line for an HF export whose write failed; None for an error that is not about the
+    disk (a bug keeps its traceback)."""
+    free = shutil.disk_usage(path.parent if path.parent.exists() else path.parent.parent).free
+    causes = _causes(error)
+    if any(isinstance(c, OSError) and c.errno in (errno.ENOSPC, errno.EDQUOT) for c in causes) or free < needed_bytes:
+        return CheckpointSaveError(
+            f"out of disk space exporting the policy to {path}: it needs about {describe_bytes(needed_bytes)} and "
+            f"{describe_bytes(free)} are free; the checkpoints are as they were (free some space, then run the same "
+            "command to resume)"
+        )
+    if not any(isinstance(c, OSError) for c in causes):
+        return None
+    return CheckpointSaveError(f"could not export the policy to {path}: {one_line(error)}")
