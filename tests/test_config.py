@@ -319,7 +319,10 @@ def test_gsm8k_recipe_validates_once_its_paths_are_filled(tmp_path):
     assert (cfg.parallelism.generator_ranks, cfg.rewards.functions) == (2, ["math_accuracy"])
 
 
-def test_bitwise_logprobs_refusals_name_the_key_and_the_reason():
+def test_bitwise_logprobs_refusals_name_the_key_and_the_reason(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the refusals as on a GPU machine
     assert load("--job.bitwise_logprobs=true", "--job.device=cpu").job.bitwise_logprobs
     assert load("--job.bitwise_logprobs=true", "--job.device=cuda").job.bitwise_logprobs
     message = error("--job.bitwise_logprobs=true", "--job.device=cuda", '--generation.engine="vllm"',

@@ -74,20 +74,21 @@ def launch_until_reward_call(args: list[str], env: dict[str, str], pid_file: Pat
 
 def test_a_second_run_in_the_same_folder_is_refused_and_changes_nothing(tmp_path):
     run_dir = tmp_path / "run"
-    args = [*FAST, "--training.steps=100000", "--checkpoint.every=2", "--checkpoint.keep=0", f"--job.output_dir={run_dir}"]
+    # keep = 0 keeps step_20; the start-up check wants room for all 100 checkpoints (150 MB)
+    args = [*FAST, "--training.steps=2000", "--checkpoint.every=20", "--checkpoint.keep=0", f"--job.output_dir={run_dir}"]
     first = start(args, nproc=2)
     try:
-        wait_for_step(run_dir, 3, first)
+        wait_for_step(run_dir, 21, first)
         holder = worker_pids(first.pid)[1]  # the first trainer rank holds the lock
-        before = {k: v for k, v in snapshot(run_dir).items() if k.startswith(("checkpoints/step_2/", "config.toml"))}
-        assert "config.toml" in before and any(k.startswith("checkpoints/step_2/") for k in before)
+        before = {k: v for k, v in snapshot(run_dir).items() if k.startswith(("checkpoints/step_20/", "config.toml"))}
+        assert "config.toml" in before and any(k.startswith("checkpoints/step_20/") for k in before)
         rows_before = (run_dir / "metrics.jsonl").read_text().splitlines()[:4]
         second = launch(args, nproc=2, timeout=120)
         assert second.returncode == 1, second.stderr[-2000:]
         assert f"is in use by another run (pid {holder} on host" in second.stderr
         assert "stop that run or give this one another job.output_dir" in second.stderr
         assert not our_traceback(second.stderr), second.stderr[-3000:]
-        wait_for_step(run_dir, 5, first)  # the first run goes on, undisturbed
+        wait_for_step(run_dir, 23, first)  # the first run goes on, undisturbed
         after = snapshot(run_dir)
         assert {k: after[k] for k in before} == before
         assert (run_dir / "metrics.jsonl").read_text().splitlines()[:4] == rows_before
