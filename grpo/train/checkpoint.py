@@ -143,8 +143,7 @@ def on_every_rank(
         result, error = None, raised
     mine = None
     if error is not None:
-        full = any(isinstance(c, OSError) and c.errno in (errno.ENOSPC, errno.EDQUOT) for c in _causes(error))
-        mine = Failure(one_line(error), full or (disk_full is not None and disk_full()))
+        mine = Failure(one_line(error), _no_space(error) or (disk_full is not None and disk_full()))
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     return result, error, {rank: failure for rank, failure in enumerate(gathered) if failure is not None}
@@ -263,6 +262,11 @@ def _give_up(
     ) from error
 
 
+def _no_space(error: BaseException) -> bool:
+    """Whether ENOSPC (or EDQUOT, a full quota) is in `error`'s chain."""
+    return any(isinstance(c, OSError) and c.errno in (errno.ENOSPC, errno.EDQUOT) for c in _causes(error))
+
+
 def _causes(error: BaseException) -> list[BaseException]:
     """`error`, the errors it was raised from or during, and, in DCP's CheckpointException, each rank's error."""
     found: list[BaseException] = []
@@ -363,13 +367,12 @@ def _export_failed(path: Path, error: BaseException, needed_bytes: int) -> Check
     """The one line for an HF export whose write failed; None for an error that is not about the
     disk (a bug keeps its traceback)."""
     free = shutil.disk_usage(path.parent if path.parent.exists() else path.parent.parent).free
-    causes = _causes(error)
-    if any(isinstance(c, OSError) and c.errno in (errno.ENOSPC, errno.EDQUOT) for c in causes) or free < needed_bytes:
+    if _no_space(error) or free < needed_bytes:
         return CheckpointSaveError(
             f"out of disk space exporting the policy to {path}: it needs about {describe_bytes(needed_bytes)} and "
             f"{describe_bytes(free)} are free; the checkpoints are as they were (free some space, then run the same "
             "command to resume)"
         )
-    if not any(isinstance(c, OSError) for c in causes):
+    if not any(isinstance(c, OSError) for c in _causes(error)):
         return None
     return CheckpointSaveError(f"could not export the policy to {path}: {one_line(error)}")
