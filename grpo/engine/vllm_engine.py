@@ -33,7 +33,8 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 
@@ -96,6 +97,20 @@ def cpu_share_of_this_rank() -> str:
     per_rank = max(1, len(cores) // ranks)
     first = rank * per_rank % len(cores)
     return ",".join(str(c) for c in cores[first : first + per_rank])
+
+
+@contextmanager
+def engine_core_environment() -> Iterator[None]:
+    """The environment vLLM's engine-core process is spawned with: the rank's, without torchrun's
+    TORCHELASTIC_USE_AGENT_STORE. With it set, every TCP rendezvous in a child connects as a client
+    to a store it expects torchrun's agent to host; vLLM's own one-rank world (tcp://ip:port) then
+    waits for a server nobody starts until its 600 s timeout. Restored when vLLM has started."""
+    saved = os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.environ["TORCHELASTIC_USE_AGENT_STORE"] = saved
 
 
 def _box(index: tuple[slice, ...], shape: Sequence[int]) -> list[list[int]]:
@@ -167,14 +182,15 @@ class VLLMEngine:
         memory = self._memory_options(kv_bytes)
         # The engine core in a process of its own: see the module docstring.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
-        self.llm = LLM(
-            model=self._folder, skip_tokenizer_init=True, load_format="dummy", dtype=config["torch_dtype"],
-            max_model_len=max_seq_len, max_num_seqs=max_batch_size, seed=seed,
-            logprobs_mode="processed_logprobs", enforce_eager=self.device.type == "cpu" or not cuda_graphs,
-            compilation_config=None if compile and self.device.type == "cuda" else 0,
-            worker_extension_cls="grpo.engine.vllm_model.TandemWorkerExtension",
-            **memory,
-        )
+        with engine_core_environment():
+            self.llm = LLM(
+                model=self._folder, skip_tokenizer_init=True, load_format="dummy", dtype=config["torch_dtype"],
+                max_model_len=max_seq_len, max_num_seqs=max_batch_size, seed=seed,
+                logprobs_mode="processed_logprobs", enforce_eager=self.device.type == "cpu" or not cuda_graphs,
+                compilation_config=None if compile and self.device.type == "cuda" else 0,
+                worker_extension_cls="grpo.engine.vllm_model.TandemWorkerExtension",
+                **memory,
+            )
         self.llm.collective_rpc("tandem_open_staging", args=(self._staging.handle(),))
         self._plans: dict[tuple, tuple[int, list[torch.Tensor]]] = {}
         self._kv_released = False
