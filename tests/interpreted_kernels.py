@@ -2,7 +2,7 @@
 Triton's interpreter; tests/test_invariant_kernels.py runs each in a process of its own with
 TRITON_INTERPRET=1 (it must be set before the kernels are defined).
 
-    TRITON_INTERPRET=1 python -m tests.interpreted_kernels matmul|rms_norm|attention|gradients|pipeline_batch_1|...
+    TRITON_INTERPRET=1 python -m tests.interpreted_kernels CHECK [CHECK ...]   (names: CHECKS below)
 
 Each check compares a kernel with plain PyTorch, and each row of its output with the same row
 computed in other company: other row counts and offsets, fused or split weights, a sequence
@@ -15,6 +15,7 @@ fp32: the interpreter's `tl.dot` does not compute bf16 inputs correctly (Triton 
 from __future__ import annotations
 
 import sys
+import traceback
 
 import torch
 import torch.nn.functional as F
@@ -125,5 +126,15 @@ CHECKS = {"matmul": check_matmul, "rms_norm": check_rms_norm, "attention": check
           "pipeline_batch_24": lambda: check_pipeline(24, 64, prompts=8)}
 
 if __name__ == "__main__":
-    CHECKS[sys.argv[1]]()
-    print(f"{sys.argv[1]}: ok")
+    # Several checks in one process (each process spends seconds importing torch and Triton); each
+    # prints "<check>: ok" or its traceback, and the exit status counts the failures.
+    failed = 0
+    for name in sys.argv[1:]:
+        try:
+            CHECKS[name]()
+        except Exception:
+            failed += 1
+            print(f"{name}: failed\n{traceback.format_exc()}", flush=True)
+        else:
+            print(f"{name}: ok", flush=True)
+    sys.exit(failed)

@@ -89,8 +89,9 @@ def test_fixed_lag_and_bitwise_weights_after_each_swap(tmp_path, lag):
 
 
 def test_async_demo_learns_with_bounded_staleness(tmp_path):
-    """The embedded demo, split 1 + 1, async with k = 1: held-out greedy accuracy reaches 0.8."""
-    result = launch([*ASYNC, f"--job.output_dir={tmp_path}", "--metrics.progress_bar=false"], nproc=2, timeout=600)
+    """The embedded demo, split 1 + 1, async with k = 1, 100 steps: held-out greedy accuracy reaches 0.8."""
+    result = launch([*ASYNC, "--training.steps=100", f"--job.output_dir={tmp_path}", "--metrics.progress_bar=false"],
+                    nproc=2, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = metrics(tmp_path)
     steps = [r for r in rows if "staleness/max" in r]

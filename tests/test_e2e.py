@@ -106,7 +106,7 @@ def test_reward_error_stops_every_rank_with_one_line(tmp_path):
 )
 def test_demo_reward_rises(tmp_path, nproc, options):
     """A shortened embedded demo: held-out greedy reward starts near zero and clearly rises."""
-    result = launch(["--training.steps=60", *options, f"--job.output_dir={tmp_path}"], nproc=nproc, timeout=400)
+    result = launch(["--training.steps=25", *options, f"--job.output_dir={tmp_path}"], nproc=nproc, timeout=400)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = metrics(tmp_path)
     first, last = rows[0]["eval/reward_mean"], rows[-1]["eval/reward_mean"]

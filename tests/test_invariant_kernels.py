@@ -38,13 +38,20 @@ def _interpreted_env() -> dict[str, str]:
     return {**launch_env(), "TRITON_INTERPRET": "1"}
 
 
-@pytest.mark.parametrize("check", ["matmul", "rms_norm", "attention", "gradients", "pipeline_batch_1",
-                                   "pipeline_batch_24"])
-def test_kernel_under_the_interpreter(check):
-    run = subprocess.run([sys.executable, "-m", "tests.interpreted_kernels", check], cwd=REPO, env=_interpreted_env(),
-                         capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert f"{check}: ok" in run.stdout
+CHECKS = ["matmul", "rms_norm", "attention", "gradients", "pipeline_batch_1", "pipeline_batch_24"]
+
+
+@pytest.fixture(scope="module")
+def interpreted_checks() -> str:
+    """The output of every check, run in one interpreted process."""
+    run = subprocess.run([sys.executable, "-m", "tests.interpreted_kernels", *CHECKS], cwd=REPO,
+                         env=_interpreted_env(), capture_output=True, text=True, timeout=900)
+    return run.stdout + run.stderr[-3000:]
+
+
+@pytest.mark.parametrize("check", CHECKS)
+def test_kernel_under_the_interpreter(interpreted_checks, check):
+    assert f"{check}: ok" in interpreted_checks.splitlines(), interpreted_checks
 
 
 @pytest.mark.parametrize(("mode", "nproc"), [("colocated", None), ("split", 2)])

@@ -118,13 +118,13 @@ def test_sbatch_script_is_shellcheck_clean():
 def test_sbatch_trains_the_demo(slurm, tmp_path):
     env, _ = slurm
     log = tmp_path / "job.out"
-    job_id = _submit(env, log, [*DEMO, "--training.steps=40", f"--job.output_dir={tmp_path / 'run'}"])
+    job_id = _submit(env, log, [*DEMO, "--training.steps=25", f"--job.output_dir={tmp_path / 'run'}"])
     job = _wait_for_state(env, job_id, ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), timeout=300)
     text = log.read_text()
     assert job["JobState"] == "COMPLETED" and job["ExitCode"] == "0:0", text[-3000:]
     assert f"tandem: job {job_id} (restart 0) on 1 node(s) x 2 rank(s)" in text
     rows = metrics(tmp_path / "run")
-    assert rows[-1]["step"] == 40
+    assert rows[-1]["step"] == 25
     assert rows[-1]["eval/reward_mean"] >= rows[0]["eval/reward_mean"] + 0.2, (rows[0], rows[-1])
     assert "held-out reward" in text
 
@@ -134,7 +134,7 @@ def test_requeued_job_resumes_from_its_checkpoint(slurm, tmp_path):
     boundary and exit; the job runs again and resumes from that checkpoint to the end."""
     env, _ = slurm
     log, run = tmp_path / "job.out", tmp_path / "run"
-    job_id = _submit(env, log, [*DEMO, "--training.steps=60", "--checkpoint.every=0", f"--job.output_dir={run}"],
+    job_id = _submit(env, log, [*DEMO, "--training.steps=40", "--checkpoint.every=0", f"--job.output_dir={run}"],
                      "--requeue")
     deadline = time.monotonic() + 240
     while not (run / "metrics.jsonl").exists() or len(metrics(run)) < 10:
@@ -152,7 +152,7 @@ def test_requeued_job_resumes_from_its_checkpoint(slurm, tmp_path):
     assert f"resuming from {run / 'checkpoints' / f'step_{stopped.group(1)}'} at step {stopped.group(1)}" in text
     assert f"tandem: job {job_id} (restart 1)" in text
     steps = [r["step"] for r in metrics(run)]
-    assert steps == sorted(set(steps)) and steps[-1] == 60
+    assert steps == sorted(set(steps)) and steps[-1] == 40
 
 
 def test_two_torchrun_agents_on_one_rendezvous_train_and_resume(tmp_path):
@@ -174,16 +174,16 @@ def test_two_torchrun_agents_on_one_rendezvous_train_and_resume(tmp_path):
             results.append(subprocess.CompletedProcess(agent.args, agent.returncode, out, err))
         return results
 
-    first = two_nodes(20)
+    first = two_nodes(4)
     assert all(r.returncode == 0 for r in first), [r.stderr[-2000:] for r in first]
-    assert metrics(tmp_path)[-1]["step"] == 20
-    second = two_nodes(30)
+    assert metrics(tmp_path)[-1]["step"] == 4
+    second = two_nodes(7)
     assert all(r.returncode == 0 for r in second), [r.stderr[-2000:] for r in second]
     output = "".join(r.stdout for r in second)
-    assert f"resuming from {tmp_path / 'checkpoints' / 'step_20'} at step 20" in output
+    assert f"resuming from {tmp_path / 'checkpoints' / 'step_4'} at step 4" in output
     rows = metrics(tmp_path)
-    assert [r["step"] for r in rows if "time/step_s" in r][-10:] == list(range(21, 31))
-    assert json.loads((tmp_path / "checkpoints" / "step_30" / "run_state.json").read_text())["step"] == 30
+    assert [r["step"] for r in rows if "time/step_s" in r][-3:] == [5, 6, 7]
+    assert json.loads((tmp_path / "checkpoints" / "step_7" / "run_state.json").read_text())["step"] == 7
 
 
 def _output_dir_worker(rank: int, world_size: int, root: str, shared: bool) -> str:

@@ -181,7 +181,7 @@ def test_split_run_with_a_tp2_generator_learns_the_demo(tmp_path):
     and the engine's log-probs agree with the trainer's to fp32 rounding (the weights landed right)."""
     from tests.test_e2e import launch, metrics
 
-    result = launch(["--training.steps=60", "--parallelism.generator_ranks=2", "--parallelism.generator_tp=2",
+    result = launch(["--training.steps=25", "--parallelism.generator_ranks=2", "--parallelism.generator_tp=2",
                      f"--job.output_dir={tmp_path}", "--metrics.progress_bar=false"], nproc=3, timeout=400)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = metrics(tmp_path)
