@@ -146,7 +146,7 @@ def test_each_local_rank_binds_vllm_to_its_own_cores(monkeypatch, cores, local_r
 
 # generation.kv_cache_gb stays 0: vLLM's K/V space sized from the model and the batch, as the native engine's.
 VLLM_DEMO = ["--generation.engine=vllm", "--model.dim=64", "--model.n_heads=2",
-             "--model.n_kv_heads=1", "--training.steps=25", "--metrics.progress_bar=false"]
+             "--model.n_kv_heads=1", "--training.steps=30", "--metrics.progress_bar=false"]
 
 
 @pytest.mark.parametrize("mode", ["split", "colocated"])
