@@ -306,6 +306,30 @@ def test_pack_episodes_hand_layout():
     torch.testing.assert_close(rows.gen_logprobs, torch.tensor(expected_gen), atol=1e-6, rtol=0)
 
 
+def test_pack_episodes_multi_turn_mask_hand_built():
+    """A conversation: prompt [10 11], model turn [12 13], environment turn [14 15], model turn [16];
+    a single-turn episode beside it. Only the model's tokens are loss targets, with their log-probs."""
+    tokens = torch.tensor([[10, 11, 12, 13, 14, 15, 16], [20, 21, 22, 99, 99, 99, 99]])
+    model_turns = torch.tensor([[0, 0, 1, 1, 0, 0, 1], [0, 0, 1, 0, 0, 0, 0]], dtype=torch.bool)
+    gen = torch.where(model_turns, -torch.arange(1, 8, dtype=torch.float32) / 10, torch.zeros(2, 7))
+    batch = EpisodeBatch(
+        tokens=tokens, prompt_lens=torch.tensor([2, 2]), completion_lens=torch.tensor([5, 1]), gen_logprobs=gen,
+        truncated=torch.zeros(2, dtype=torch.bool), version=torch.zeros(2, dtype=torch.long),
+        prompt_index=torch.tensor([0, 1]), sample_index=torch.tensor([0, 0]), rewards=torch.zeros(2),
+        advantages=torch.tensor([1.0, -1.0]), loss_mask=model_turns,
+    )
+    rows = pack_episodes(batch, pad_id=0)
+    assert rows.tokens.tolist() == [[10, 11, 12, 13, 14, 15, 20, 21]]
+    assert rows.targets.tolist() == [[11, 12, 13, 14, 15, 16, 21, 22]]
+    # targets 12, 13 (model), 14, 15 (environment: no loss), 16 (model); 21 (prompt), 22 (model)
+    assert rows.loss_mask.tolist() == [[0, 1, 1, 0, 0, 1, 0, 1]]
+    torch.testing.assert_close(rows.gen_logprobs, torch.tensor([[0, -0.3, -0.4, 0, 0, -0.7, 0, -0.3]]))
+    assert batch.sampled_lens.tolist() == [3, 1]
+    # left out, the mask is the single-turn one: every token after the prompt
+    plain = EpisodeBatch(**{**batch.__dict__, "loss_mask": None})
+    assert plain.loss_mask.tolist() == [[0, 0, 1, 1, 1, 1, 1], [0, 0, 1, 0, 0, 0, 0]]
+
+
 def test_plan_micro_batches_first_fit_decreasing():
     # lengths 5 2 7 3 4 into 8-token micro-batches: 7 -> [7]; 5 -> [5]; 4 -> [4]; 3 -> 5 + 3; 2 -> 4 + 2
     assert plan_micro_batches([5, 2, 7, 3, 4], 8) == [[2], [0, 3], [4, 1]]

@@ -190,6 +190,21 @@ def _check_exchange(results, specs, generators):
     return [len(r["batch"]["tokens"]) for r in results[generators:]]
 
 
+def test_encode_decode_keeps_every_field_and_the_loss_mask():
+    from grpo.rollout.transport import _decode, _encode
+    from tests.batches import hand_made_batch
+
+    batch = hand_made_batch([3, 2], [[2, 3], [1, 4]], [[0.0, 0.0], [0.0, 0.0]], vocab_size=50, seed=0,
+                            first_prompt_index=0)
+    batch.loss_mask[0, 4] = False  # an environment token inside the first episode
+    ints, floats = _encode(batch, [0, 1, 2, 3], batch.tokens.shape[1] + 2)
+    back, want = _decode(ints, floats).select(slice(None)), batch.select(slice(None))  # both trimmed to the longest
+    for name in ("tokens", "gen_logprobs", "loss_mask", "prompt_lens", "completion_lens", "truncated", "version",
+                 "prompt_index", "sample_index"):
+        assert torch.equal(getattr(back, name), getattr(want, name)), name
+    assert back.loss_mask.sum() == want.loss_mask.sum() == 2 + 3 + 1 + 4 - 1
+
+
 def test_exchange_two_generators_two_trainers(tmp_path):
     results = run_ranks(functools.partial(_exchange_worker, generators=2, scenarios=[SPECS_2]), 4, tmp_path)
     counts = _check_exchange([r[0] for r in results], SPECS_2, generators=2)

@@ -1,7 +1,9 @@
 """Episodes as tensors, and group-relative advantages.
 
-An episode is one prompt plus one completion; a group is the G episodes of one prompt. A batch of
-episodes is a set of right-padded tensors, so it can cross process boundaries as plain tensors.
+An episode is one prompt and what follows it: one completion, or model turns with environment turns
+between them, as one token sequence whose loss mask marks the tokens the model sampled. A group is
+the G episodes of one prompt. A batch of episodes is a set of right-padded tensors, so it can cross
+process boundaries as plain tensors.
 """
 
 from __future__ import annotations
@@ -24,13 +26,16 @@ BASELINES = typing.get_args(Baseline)
 
 @dataclass
 class EpisodeBatch:
-    """N episodes. `tokens` holds prompt then completion, right-padded with `pad_id`.
+    """N episodes. `tokens` holds the prompt, then everything after it, right-padded with `pad_id`.
 
-    tokens [N, L] int64; prompt_lens, completion_lens [N] int64;
-    gen_logprobs [N, L] fp32: π_gen's log-prob of tokens[:, t] at the completion positions, 0 elsewhere;
-    truncated [N] bool: stopped by max_new_tokens rather than EOS / a stop string;
+    tokens [N, L] int64; prompt_lens [N] int64; completion_lens [N] int64: the tokens after the
+    prompt (the model's and, in a multi-turn episode, the environment's);
+    gen_logprobs [N, L] fp32: π_gen's log-prob of tokens[:, t] where the model sampled it, 0 elsewhere;
+    truncated [N] bool: stopped by a token budget rather than EOS / a stop string / the environment;
     version [N]: policy version that generated it; prompt_index, sample_index [N] int64;
-    rewards, advantages [N] fp32 (zeros until scored).
+    rewards, advantages [N] fp32 (zeros until scored);
+    loss_mask [N, L] bool: True at the tokens the model sampled, the only ones that carry loss.
+    Left out (None), it is the single-turn mask: every token after the prompt.
     """
 
     tokens: torch.Tensor
@@ -43,6 +48,11 @@ class EpisodeBatch:
     sample_index: torch.Tensor
     rewards: torch.Tensor
     advantages: torch.Tensor
+    loss_mask: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.loss_mask is None:
+            self.loss_mask = completion_mask(self.prompt_lens, self.completion_lens, self.tokens.shape[1])
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
@@ -55,8 +65,14 @@ class EpisodeBatch:
         """The episodes at `index`, trimmed to their longest sequence."""
         picked = EpisodeBatch(**{f.name: getattr(self, f.name)[index] for f in fields(self)})
         width = int(picked.seq_lens.max()) if len(picked) else 0
-        picked.tokens, picked.gen_logprobs = picked.tokens[:, :width], picked.gen_logprobs[:, :width]
+        for name in PER_TOKEN:
+            setattr(picked, name, getattr(picked, name)[:, :width])
         return picked
+
+    @property
+    def sampled_lens(self) -> torch.Tensor:
+        """[N] int64: tokens the model sampled in each episode (its loss tokens)."""
+        return self.loss_mask.sum(dim=1)
 
     def completion(self, i: int) -> list[int]:
         start = int(self.prompt_lens[i])
@@ -64,6 +80,17 @@ class EpisodeBatch:
 
     def to(self, device: torch.device | str) -> EpisodeBatch:
         return EpisodeBatch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+
+
+# The [N, L] fields; the others are per episode, [N].
+PER_TOKEN = ("tokens", "gen_logprobs", "loss_mask")
+
+
+def completion_mask(prompt_lens: torch.Tensor, completion_lens: torch.Tensor, width: int) -> torch.Tensor:
+    """bool [N, width]: True at positions prompt_lens[i] <= t < prompt_lens[i] + completion_lens[i]
+    (a single-turn episode's loss mask)."""
+    t = torch.arange(width, device=prompt_lens.device)
+    return (t >= prompt_lens[:, None]) & (t < (prompt_lens + completion_lens)[:, None])
 
 
 def compute_advantages(
@@ -133,12 +160,11 @@ def concat_episodes(batches: list[EpisodeBatch], pad_id: int) -> EpisodeBatch:
     width = max((b.tokens.shape[1] for b in batches), default=1)
     pad = lambda t, value: torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value)  # noqa: E731
     per_episode = {
-        f.name: torch.cat([getattr(b, f.name) for b in batches])
-        for f in fields(EpisodeBatch)
-        if f.name not in ("tokens", "gen_logprobs")
+        f.name: torch.cat([getattr(b, f.name) for b in batches]) for f in fields(EpisodeBatch) if f.name not in PER_TOKEN
     }
     return EpisodeBatch(
         tokens=torch.cat([pad(b.tokens, pad_id) for b in batches]),
         gen_logprobs=torch.cat([pad(b.gen_logprobs, 0.0) for b in batches]),
+        loss_mask=torch.cat([pad(b.loss_mask, False) for b in batches]),
         **per_episode,
     )

@@ -5,8 +5,9 @@ One exchange per batch:
    episodes, tokens, width) and its generation time;
 2. every rank computes the same assignment of groups to trainer ranks: longest-processing-time
    first by token count, so trainer loads are balanced and a group is never split;
-3. each generator sends each trainer one int64 tensor (lengths, flags, indices, token ids) and one
-   fp32 tensor (generator log-probs) holding that trainer's groups; shapes are known from the table.
+3. each generator sends each trainer one int64 tensor (lengths, flags, indices, token ids, loss
+   mask) and one fp32 tensor (generator log-probs) holding that trainer's groups; shapes are known
+   from the table.
 Trainers receive their groups ordered by (prompt index, sample index), independent of which
 generator produced them. Episode tensors stay on the CPU: they are small and this keeps weight
 traffic, which uses the device, on its own groups.
@@ -18,9 +19,9 @@ import torch
 import torch.distributed as dist
 
 from grpo.distributed.roles import Roles
-from grpo.rollout.episode import EpisodeBatch
+from grpo.rollout.episode import EpisodeBatch, concat_episodes
 
-# Per-episode header columns in the int64 message, before the token ids.
+# Per-episode header columns in the int64 message, before the token ids and the loss mask.
 _HEADER = ("prompt_lens", "completion_lens", "truncated", "version", "prompt_index", "sample_index")
 # Columns of the all-gathered group table.
 _PROMPT, _EPISODES, _TOKENS, _WIDTH, _VALID = range(5)
@@ -51,19 +52,24 @@ def assign_groups(tokens: list[int], prompt_indices: list[int], num_trainers: in
 def _encode(batch: EpisodeBatch, rows: list[int], width: int) -> tuple[torch.Tensor, torch.Tensor]:
     header = torch.stack([getattr(batch, name)[rows].long() for name in _HEADER], dim=1)
     tokens = torch.zeros((len(rows), width), dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
     logprobs = torch.zeros((len(rows), width), dtype=torch.float32)
     used = min(width, batch.tokens.shape[1])
     tokens[:, :used] = batch.tokens[rows, :used]
+    mask[:, :used] = batch.loss_mask[rows, :used]
     logprobs[:, :used] = batch.gen_logprobs[rows, :used]
-    return torch.cat([header, tokens], dim=1), logprobs
+    return torch.cat([header, tokens, mask], dim=1), logprobs
 
 
 def _decode(ints: torch.Tensor, logprobs: torch.Tensor) -> EpisodeBatch:
-    n = ints.shape[0]
+    """Inverse of `_encode`: ints [n, len(_HEADER) + 2 W], logprobs [n, W]."""
+    n, width = logprobs.shape
     fields = {name: ints[:, i] for i, name in enumerate(_HEADER)}
     fields["truncated"] = fields["truncated"].bool()
+    body = ints[:, len(_HEADER) :]
     return EpisodeBatch(
-        tokens=ints[:, len(_HEADER) :],
+        tokens=body[:, :width],
+        loss_mask=body[:, width:].bool(),
         gen_logprobs=logprobs,
         rewards=torch.zeros(n),
         advantages=torch.zeros(n),
@@ -116,7 +122,7 @@ def exchange_episodes(
                 ops += [dist.P2POp(dist.isend, ints, trainer, roles.episode_group),
                         dist.P2POp(dist.isend, floats, trainer, roles.episode_group)]
             else:
-                ints = torch.empty((n, len(_HEADER) + width), dtype=torch.long)
+                ints = torch.empty((n, len(_HEADER) + 2 * width), dtype=torch.long)
                 floats = torch.empty((n, width), dtype=torch.float32)
                 ops += [dist.P2POp(dist.irecv, ints, src, roles.episode_group),
                         dist.P2POp(dist.irecv, floats, src, roles.episode_group)]
@@ -127,10 +133,7 @@ def exchange_episodes(
     if not roles.is_trainer:
         return None, generate_s
     if not received:
-        return _decode(torch.zeros((0, len(_HEADER) + 1), dtype=torch.long), torch.zeros((0, 1))), generate_s
-    width = max(f.shape[1] for _, f in received)
-    ints = torch.cat([torch.nn.functional.pad(i, (0, width - f.shape[1])) for i, f in received])
-    floats = torch.cat([torch.nn.functional.pad(f, (0, width - f.shape[1])) for _, f in received])
-    episodes = _decode(ints, floats)
+        return _decode(torch.zeros((0, len(_HEADER) + 2), dtype=torch.long), torch.zeros((0, 1))), generate_s
+    episodes = concat_episodes([_decode(i, f) for i, f in received], pad_id=0)
     order = sorted(range(len(episodes)), key=lambda i: (int(episodes.prompt_index[i]), int(episodes.sample_index[i])))
     return episodes.select(order), generate_s

@@ -14,7 +14,7 @@ from grpo.rollout.episode import EpisodeBatch
 class PackedRows:
     """Model inputs and per-token training data, all [R, W] (R = 1 from `pack_episodes`).
 
-    Token (r, c) predicts targets[r, c]. loss_mask marks targets that are completion tokens;
+    Token (r, c) predicts targets[r, c]. loss_mask marks targets that the model sampled;
     advantages and gen_logprobs are aligned with targets. doc_ids[r, c] is the index in the source
     batch of the episode the token belongs to, -1 on padding.
     """
@@ -67,7 +67,7 @@ def pack_episodes(batch: EpisodeBatch, pad_id: int = 0, mask_truncated: bool = F
     loss_mask = torch.zeros(shape, dtype=torch.float32)
     advantages = torch.zeros(shape, dtype=torch.float32)
     gen_logprobs = torch.zeros(shape, dtype=torch.float32)
-    src_tokens, src_logprobs = batch.tokens.cpu(), batch.gen_logprobs.cpu()
+    src_tokens, src_logprobs, src_mask = batch.tokens.cpu(), batch.gen_logprobs.cpu(), batch.loss_mask.cpu()
     col = 0
     for i in order:
         n = input_lens[i]
@@ -77,9 +77,8 @@ def pack_episodes(batch: EpisodeBatch, pad_id: int = 0, mask_truncated: bool = F
         gen_logprobs[0, span] = src_logprobs[i, 1 : n + 1]
         positions[0, span] = torch.arange(n)
         doc_ids[0, span] = i
-        first_completion_target = int(batch.prompt_lens[i]) - 1
         if not (mask_truncated and bool(batch.truncated[i])):
-            loss_mask[0, col + first_completion_target : col + n] = 1.0
+            loss_mask[0, span] = src_mask[i, 1 : n + 1]
         advantages[0, span] = float(batch.advantages[i])
         col += n
     return PackedRows(tokens, positions, doc_ids, targets, loss_mask, advantages, gen_logprobs)
