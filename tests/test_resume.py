@@ -118,7 +118,8 @@ def uninterrupted(tmp_path_factory):
 @pytest.mark.parametrize("mode", list(MODES))
 def test_sigterm_then_resume_equals_uninterrupted_run(tmp_path, uninterrupted, mode):
     """SIGTERM to rank 0 alone after step 6: every rank stops at the same boundary, saves and exits 0;
-    `checkpoint.resume = "auto"` then finishes with the same series and bitwise-equal weights."""
+    `checkpoint.resume = "auto"` then finishes with the same series and bitwise-equal weights, and
+    its closing line counts the time of both launches and says where this one resumed."""
     args = [*RESUME, *MODES[mode], f"--job.output_dir={tmp_path}"]
     proc = start(args, nproc=2)
     wait_for_step(tmp_path, 6, proc)
@@ -132,11 +133,16 @@ def test_sigterm_then_resume_equals_uninterrupted_run(tmp_path, uninterrupted, m
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == [f"step_{stopped}"]
     assert max(series(tmp_path)) == stopped
 
+    saved = json.loads((tmp_path / "checkpoints" / f"step_{stopped}" / "run_state.json").read_text())["seconds"]
+
     resumed = launch(args, nproc=2)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resuming from {tmp_path / 'checkpoints' / f'step_{stopped}'} at step {stopped}" in resumed.stdout
     assert series(tmp_path) == series(uninterrupted[mode])
     assert_same_weights(weights(tmp_path, 12), weights(uninterrupted[mode], 12))
+    done = re.search(rf"done: 12 steps in (\d+) s \(resumed at step {stopped}; (\d+) s in this launch\)", resumed.stdout)
+    assert done, resumed.stdout[-2000:]
+    assert saved > 0 and abs(int(done.group(1)) - (saved + int(done.group(2)))) <= 1
 
 
 def test_torchrun_restart_resumes_after_a_rank_is_killed(tmp_path, uninterrupted):
@@ -190,17 +196,3 @@ def test_run_state_records_where_the_run_is(tmp_path):
     assert state["lr_scheduler"]["last_epoch"] == 2
     assert state["evals"]["first"]["eval/reward_mean"] == metrics(tmp_path)[0]["eval/reward_mean"]
     assert (tmp_path / "checkpoints" / "step_2" / "rng" / "rank_0.pt").is_file()
-
-
-def test_the_summary_after_a_resume_counts_the_whole_run(tmp_path):
-    """A run in two launches ends with the time of both, and says where this launch resumed."""
-    one_rank = [*RESUME, "--parallelism.mode=colocated", f"--job.output_dir={tmp_path}"]
-    first = launch([*one_rank, "--training.steps=2"], nproc=None)
-    assert first.returncode == 0, first.stderr[-3000:]
-    saved = json.loads((tmp_path / "checkpoints" / "step_2" / "run_state.json").read_text())["seconds"]
-    second = launch([*one_rank, "--training.steps=4"], nproc=None)
-    assert second.returncode == 0, second.stderr[-3000:]
-    done = re.search(r"done: 4 steps in (\d+) s \(resumed at step 2; (\d+) s in this launch\)", second.stdout)
-    assert done, second.stdout[-2000:]
-    total, this_launch = int(done.group(1)), int(done.group(2))
-    assert saved > 0 and abs(total - (saved + this_launch)) <= 1
