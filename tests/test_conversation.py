@@ -114,6 +114,10 @@ def test_turn_and_token_budgets_end_episodes_marked_truncated(model):
     assert (batch.completion_lens - batch.sampled_lens).tolist() == [10] * 12
     _, _, batch, _, stats = _rollout(model, Talkative(), max_new=4, max_tokens=12)
     assert stats.truncated_by_tokens == 12 and (batch.completion_lens <= 12).all()
+    # a first turn that runs into the token budget: the episode still carries its policy version
+    _, _, batch, _, stats = _rollout(model, Talkative(), max_new=4, max_tokens=3)
+    assert stats.truncated_by_tokens == 12 and stats.turns == [1] * 12
+    assert (batch.completion_lens <= 3).all() and batch.version.tolist() == [3] * 12
 
 
 class Broken:

@@ -75,14 +75,11 @@ def _reply(env: Environment, conv: Conversation, turn: int, completion: Completi
     return reply
 
 
-def _take_turn(
+def _hear(
     env: Environment, conv: Conversation, turn: int, completion: Completion, tokenizer: Tokenizer, max_tokens: int,
     stats: ConversationStats,
 ) -> None:
-    """Append one model turn and the environment's reply; end the conversation where it ends."""
-    conv.append(list(completion.tokens), list(completion.logprobs))
-    conv.version = completion.version if conv.version < 0 else min(conv.version, completion.version)
-    conv.turns += 1
+    """The environment's reply to model turn `turn`, appended; the conversation ends where it ends."""
     start = time.perf_counter()
     reply = _reply(env, conv, turn, completion, tokenizer)
     stats.env_seconds += time.perf_counter() - start
@@ -133,13 +130,14 @@ def generate_conversations(
             for c in active
         ]
         for conv, completion in zip(active, engine.generate(requests, sampling)):
-            if completion.finish_reason == "length" and conv.after_prompt + len(completion.tokens) >= max_tokens:
-                conv.append(list(completion.tokens), list(completion.logprobs))
-                conv.turns += 1
+            conv.append(list(completion.tokens), list(completion.logprobs))
+            conv.version = completion.version if conv.version < 0 else min(conv.version, completion.version)
+            conv.turns += 1
+            if completion.finish_reason == "length" and conv.after_prompt >= max_tokens:
                 conv.done = conv.truncated = True
                 stats.truncated_by_tokens += 1
-                continue
-            _take_turn(env, conv, turn, completion, tokenizer, max_tokens, stats)
+            else:
+                _hear(env, conv, turn, completion, tokenizer, max_tokens, stats)
     stats.turns = [c.turns for c in convs]
     return _episodes(convs, pad_id), [c.reward for c in convs], stats
 
