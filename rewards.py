@@ -12,7 +12,8 @@ module-level callables. Scorer workers import this module to run them, so at mod
 imports only the standard library and grpo.errors (which imports nothing); ``math_accuracy``
 imports ``math_verify`` on first use.
 
-Built-ins (see ``REWARDS``): ``digit_match`` (the digit tasks), ``math_accuracy`` (final-answer
+Built-ins (see ``REWARDS``): ``digit_match`` (the digit tasks), ``env_reward`` (the reward a
+multi-turn episode's environment gave), ``math_accuracy`` (final-answer
 equivalence for math word problems), ``format_reward`` (regex layout check),
 ``length_penalty`` (a non-positive length shaping term) and ``reasoning_gym`` (a reasoning-gym
 dataset's own ``score_answer``; imports ``reasoning_gym`` on first use). How a function is loaded
@@ -58,6 +59,15 @@ def digit_match(prompt: str, completion: str, answer: str, metadata: dict) -> fl
     matches = sum(c == a for c, a in zip(completion, answer))
     length = max(len(answer), len(completion))
     return matches / length if length else 0.0
+
+
+def env_reward(prompt: str, completion: str, answer: str, metadata: dict) -> float:
+    """The reward the episode's environment gave (multi-turn runs, env.name); an episode that
+    ended without one (a turn or token budget cut it short) scores 0."""
+    if "env_reward" not in metadata:
+        raise RewardError("env_reward: the episode carries no environment reward field; it scores multi-turn runs (env.name)")
+    reward = metadata["env_reward"]
+    return 0.0 if reward is None else float(reward)
 
 
 # --- math_accuracy ------------------------------------------------------------------------------
@@ -332,6 +342,7 @@ def _gym_dataset(name: str, options: tuple):
 
 REWARDS: dict[str, RewardFn] = {
     "digit_match": digit_match,
+    "env_reward": env_reward,
     "math_accuracy": math_accuracy,
     "format_reward": format_reward,
     "length_penalty": length_penalty,

@@ -55,9 +55,9 @@ def _rollout(model, env, max_new=6, max_tokens=32, group_size=3):
     prompts = DigitTask("copy_digits", TOKENIZER, 2, 4, seed=0, num_eval=0).train_prompts(1, 4)
     recording = Recording(engine, env)
     with one_thread():
-        batch, env_rewards, stats = generate_conversations(recording, recording, prompts, group_size, 1, TOKENIZER,
+        batch, stats = generate_conversations(recording, recording, prompts, group_size, 1, TOKENIZER,
                                                            TOKENIZER.pad_id, sampling, max_tokens)
-    return prompts, recording, batch, env_rewards, stats
+    return prompts, recording, batch, batch.env_rewards.tolist(), stats
 
 
 def test_episode_tokens_are_the_sampled_tokens_plus_the_environments_bitwise(model):
@@ -76,10 +76,13 @@ def test_episode_tokens_are_the_sampled_tokens_plus_the_environments_bitwise(mod
                                                + [False] * (batch.tokens.shape[1] - n))
         sampled = batch.gen_logprobs[i][batch.loss_mask[i]]
         assert torch.equal(sampled, torch.tensor(first.logprobs + second.logprobs))
-        # the reward is the environment's: digit_match of the second turn against what it said
+        # the reward is the environment's: the mean of each turn's positional agreement with its
+        # reference (the prompt's digits, then what the environment said)
+        match = lambda got, ref: sum(a == b for a, b in zip(got, ref)) / max(len(got), len(ref))  # noqa: E731
         secret = TOKENIZER.decode(heard)[:-1]
-        got = TOKENIZER.decode(second.tokens)
-        assert env_rewards[i] == sum(a == b for a, b in zip(got, secret)) / max(len(got), len(secret))
+        assert len(secret) == len(prompt.answer)
+        want_reward = (match(TOKENIZER.decode(first.tokens), prompt.answer) + match(TOKENIZER.decode(second.tokens), secret)) / 2
+        assert env_rewards[i] == torch.tensor(want_reward, dtype=torch.float32).item()
     assert batch.version.tolist() == [3] * 12 and not batch.truncated.any()
 
 
@@ -109,7 +112,7 @@ class Talkative:
 def test_turn_and_token_budgets_end_episodes_marked_truncated(model):
     _, _, batch, env_rewards, stats = _rollout(model, Talkative(), max_new=4, max_tokens=64)
     assert stats.turns == [3] * 12 and stats.truncated_by_turns == 12
-    assert batch.truncated.all() and env_rewards == [None] * 12
+    assert batch.truncated.all() and batch.env_rewards.isnan().all()
     # 3 model turns, the environment's 5 tokens after the first two only
     assert (batch.completion_lens - batch.sampled_lens).tolist() == [10] * 12
     _, _, batch, _, stats = _rollout(model, Talkative(), max_new=4, max_tokens=12)

@@ -182,7 +182,8 @@ def test_load_builtins():
         assert load_reward(name) is fn
         assert load_reward(f"rewards:{name}") is fn
     assert "digit_match" in REWARDS
-    with pytest.raises(RewardError, match="built-ins: digit_match, format_reward, length_penalty, math_accuracy, reasoning_gym"):
+    builtins = "digit_match, env_reward, format_reward, length_penalty, math_accuracy, reasoning_gym"
+    with pytest.raises(RewardError, match=f"built-ins: {builtins}"):
         load_reward("math_acc")
 
 

@@ -189,7 +189,7 @@ def test_on_error_zero_scores_a_dead_workers_chunk_zero(capsys):
                                      "'NOT_CALLABLE' is not callable (int)"),
         (f"{FIXTURES}:two_args", f"reward function '{FIXTURES}:two_args': signature (prompt: str, completion: str) "
                                  "-> float does not accept (prompt, completion, answer, metadata)"),
-        ("digit_matc", "unknown reward function 'digit_matc'; built-ins: digit_match, format_reward, "
+        ("digit_matc", "unknown reward function 'digit_matc'; built-ins: digit_match, env_reward, format_reward, "
                        "length_penalty, math_accuracy, reasoning_gym (or give 'module:function')"),
         (":f", "reward function ':f': expected 'module:function'"),
     ],

@@ -21,6 +21,7 @@ from grpo.config.sections import (
     Config,
     ConfigError,
     DataConfig,
+    EnvConfig,
     EvalConfig,
     GenerationConfig,
     GRPOConfig,
@@ -35,7 +36,7 @@ from grpo.config.sections import (
 
 __all__ = [
     "ASYNC_TIS_CAP", "AUTO_TIS_CAP", "DEFAULT_CONFIG_PATH", "CheckpointConfig", "Config", "ConfigError",
-    "DataConfig", "EvalConfig", "GRPOConfig", "GenerationConfig", "JobConfig", "MetricsConfig", "ModelConfig",
+    "DataConfig", "EnvConfig", "EvalConfig", "GRPOConfig", "GenerationConfig", "JobConfig", "MetricsConfig", "ModelConfig",
     "OptimizerConfig", "ParallelismConfig", "RewardsConfig", "TrainingConfig", "config_to_toml", "load_config",
     "validate_config", "write_resolved_config",
 ]

@@ -7,9 +7,10 @@ import importlib.util
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from grpo.config.io import _toml_value
+from grpo.config.io import _did_you_mean, _toml_value
 from grpo.config.sections import _CHOICES, AUTO_TIS_CAP, Config, ConfigError
 from grpo.data.gym import check_gym_config, is_gym_path
+from grpo.envs import BUILTIN_ENVIRONMENTS
 
 if TYPE_CHECKING:
     from model.args import ModelArgs
@@ -25,6 +26,7 @@ def validate_config(cfg: Config, world_size: int) -> None:
     _check_generation(cfg)
     _check_grpo(cfg)
     _check_rewards(cfg)
+    _check_env(cfg)
     _check_optimizer(cfg)
     _check_training(cfg)
     _check_eval(cfg)
@@ -181,6 +183,25 @@ def _check_rewards(cfg: Config) -> None:
     _require(r.num_workers >= 0, "rewards.num_workers", r.num_workers, "must be >= 0")
 
 
+def _check_env(cfg: Config) -> None:
+    """[env]: a built-in or "module:factory" name, budgets, and what multi-turn episodes cannot do yet."""
+    e = cfg.env
+    uses_env_reward = "env_reward" in cfg.rewards.functions
+    if not e.name:
+        _require(not uses_env_reward, "rewards.functions", cfg.rewards.functions,
+                 "names env_reward, which reads the reward an environment gives: set env.name")
+        return
+    if e.name not in BUILTIN_ENVIRONMENTS and ":" not in e.name:
+        builtins = ", ".join(repr(name) for name in BUILTIN_ENVIRONMENTS)
+        hint = _did_you_mean(e.name, list(BUILTIN_ENVIRONMENTS)) or f" (built-ins: {builtins}, or \"module:factory\")"
+        raise ConfigError(f"env.name = {e.name!r} is not a built-in environment{hint}")
+    _require(e.max_tokens >= 1, "env.max_tokens", e.max_tokens, "must be >= 1")
+    _require(e.max_turns >= 0, "env.max_turns", e.max_turns, "must be >= 0 (0 = the environment's own)")
+    _require(cfg.grpo.overlong_buffer == 0, "grpo.overlong_buffer", cfg.grpo.overlong_buffer,
+             "must be 0 with env.name: the overlong penalty counts one completion's tokens against "
+             "generation.max_new_tokens, and a multi-turn episode holds several turns and the environment's")
+
+
 def _check_optimizer(cfg: Config) -> None:
     """[optimizer]: AdamW's constants and the learning-rate schedule."""
     o = cfg.optimizer
@@ -198,12 +219,13 @@ def _check_training(cfg: Config) -> None:
     """[training]: length, micro-batch budget, and what the async schedule cannot do."""
     t, p = cfg.training, cfg.grpo
     _require(t.steps >= 1, "training.steps", t.steps, "must be >= 1")
-    longest = cfg.data.max_prompt_tokens + cfg.generation.max_new_tokens
+    longest = cfg.data.max_prompt_tokens + cfg.max_episode_tokens
+    after_prompt = "env.max_tokens" if cfg.env.name else "generation.max_new_tokens"
     _require(
         t.micro_batch_tokens >= longest,
         "training.micro_batch_tokens",
         t.micro_batch_tokens,
-        f"must hold the longest episode: data.max_prompt_tokens + generation.max_new_tokens = {longest}",
+        f"must hold the longest episode: data.max_prompt_tokens + {after_prompt} = {longest}",
     )
 
     _require(t.max_bad_steps >= 1, "training.max_bad_steps", t.max_bad_steps, "must be >= 1")

@@ -212,6 +212,18 @@ class RewardsConfig:
 
 
 @dataclass
+class EnvConfig:
+    # multi-turn episodes: "" = one completion per prompt | "digit_relay" (the built-in two-turn task) | "module:factory"
+    # (a callable returning an Environment, see grpo/envs/base.py)
+    name: str = ""
+    # tokens after the prompt in one episode, model and environment turns together (each model turn is also capped by
+    # generation.max_new_tokens)
+    max_tokens: int = 32
+    # model turns per episode at most; 0 = the environment's own max_turns
+    max_turns: int = 0
+
+
+@dataclass
 class OptimizerConfig:
     # peak AdamW learning rate, reached after warmup_steps
     lr: float = 3e-3
@@ -320,6 +332,8 @@ class Config:
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     # reward functions, their weights and the scoring pool
     rewards: RewardsConfig = field(default_factory=RewardsConfig)
+    # multi-turn episodes: the environment the model talks to
+    env: EnvConfig = field(default_factory=EnvConfig)
     # AdamW and the learning-rate schedule
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     # run length and micro-batching
@@ -332,6 +346,11 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     # where and how metrics are reported
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+
+    @property
+    def max_episode_tokens(self) -> int:
+        """Tokens after the prompt in the longest episode: one completion's, or a multi-turn episode's budget."""
+        return self.env.max_tokens if self.env.name else self.generation.max_new_tokens
 
     def __post_init__(self):
         if self.grpo.tis_cap == AUTO_TIS_CAP:

@@ -1,2 +1,53 @@
-"""Multi-turn episodes: the environment interface (base.py), the built-in environments, and the
-rollout that alternates model turns and environment turns (conversation.py)."""
+"""Multi-turn episodes: the environment interface (base.py), the built-in environments, and how
+`env.name` picks one (`make_environment`). The rollout that alternates model turns and
+environment turns is grpo/rollout/conversation.py."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+from grpo.envs.base import Environment, EnvReply
+from grpo.envs.relay import DigitRelay
+from grpo.errors import TandemError
+
+__all__ = ["BUILTIN_ENVIRONMENTS", "EnvReply", "Environment", "EnvironmentLoadError", "make_environment"]
+
+# env.name -> the built-in environment's class (built with the run's seed)
+BUILTIN_ENVIRONMENTS = {"digit_relay": DigitRelay}
+
+
+class EnvironmentLoadError(TandemError, ValueError):
+    """env.name does not give an environment; the message names the spec and why."""
+
+
+def make_environment(name: str, seed: int, max_turns: int = 0) -> Environment:
+    """The environment `name` gives: a built-in (made with `seed`), or "module:factory", a callable
+    imported from sys.path (the launch directory included) and called with no arguments.
+    max_turns > 0 lowers the environment's own cap on model turns."""
+    if name in BUILTIN_ENVIRONMENTS:
+        env = BUILTIN_ENVIRONMENTS[name](seed=seed)
+    else:
+        env = _load_factory(name)()
+    for attribute in ("name", "max_turns", "reset", "step"):
+        if not hasattr(env, attribute):
+            raise EnvironmentLoadError(
+                f"env.name = {name!r} gave a {type(env).__name__} without `{attribute}` (see grpo/envs/base.py)"
+            )
+    if max_turns:
+        env.max_turns = min(env.max_turns, max_turns)
+    return env
+
+
+def _load_factory(spec: str):
+    module_name, _, attr = spec.partition(":")
+    if "" not in sys.path and "." not in sys.path:
+        sys.path.append("")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as error:
+        raise EnvironmentLoadError(f"env.name = {spec!r}: importing {module_name!r} failed: {error!r}") from None
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise EnvironmentLoadError(f"env.name = {spec!r}: module {module_name!r} has no callable {attr!r}")
+    return factory

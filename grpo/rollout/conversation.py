@@ -107,12 +107,12 @@ def generate_conversations(
     pad_id: int,
     sampling: SamplingParams,
     max_tokens: int,
-) -> tuple[EpisodeBatch, list[float | None], ConversationStats]:
+) -> tuple[EpisodeBatch, ConversationStats]:
     """group_size conversations of each prompt, group by group, as episodes.
 
     sampling.max_new_tokens caps each model turn; max_tokens caps all tokens after the prompt
-    (model and environment together). Returns the episodes, each one's reward from the
-    environment (None where it gave none) and the batch's statistics.
+    (model and environment together). Returns the episodes (env_rewards: the environment's reward,
+    NaN where it gave none) and the batch's statistics.
     """
     convs = [
         Conversation(p, s, env.reset(p), list(p.token_ids), [False] * len(p.token_ids), [0.0] * len(p.token_ids))
@@ -139,7 +139,7 @@ def generate_conversations(
             else:
                 _hear(env, conv, turn, completion, tokenizer, max_tokens, stats)
     stats.turns = [c.turns for c in convs]
-    return _episodes(convs, pad_id), [c.reward for c in convs], stats
+    return _episodes(convs, pad_id), stats
 
 
 def _episodes(convs: list[Conversation], pad_id: int) -> EpisodeBatch:
@@ -165,4 +165,5 @@ def _episodes(convs: list[Conversation], pad_id: int) -> EpisodeBatch:
         rewards=torch.zeros(n),
         advantages=torch.zeros(n),
         loss_mask=mask,
+        env_rewards=torch.tensor([float("nan") if c.reward is None else c.reward for c in convs], dtype=torch.float32),
     )

@@ -35,7 +35,9 @@ class EpisodeBatch:
     version [N]: policy version that generated it; prompt_index, sample_index [N] int64;
     rewards, advantages [N] fp32 (zeros until scored);
     loss_mask [N, L] bool: True at the tokens the model sampled, the only ones that carry loss.
-    Left out (None), it is the single-turn mask: every token after the prompt.
+    Left out (None), it is the single-turn mask: every token after the prompt;
+    env_rewards [N] fp32: the reward an environment gave the episode, NaN where it gave none (and
+    for every single-turn episode); the `env_reward` reward function reads it.
     """
 
     tokens: torch.Tensor
@@ -49,10 +51,13 @@ class EpisodeBatch:
     rewards: torch.Tensor
     advantages: torch.Tensor
     loss_mask: torch.Tensor | None = None
+    env_rewards: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.loss_mask is None:
             self.loss_mask = completion_mask(self.prompt_lens, self.completion_lens, self.tokens.shape[1])
+        if self.env_rewards is None:
+            self.env_rewards = torch.full((self.tokens.shape[0],), float("nan"))
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
@@ -73,6 +78,23 @@ class EpisodeBatch:
     def sampled_lens(self) -> torch.Tensor:
         """[N] int64: tokens the model sampled in each episode (its loss tokens)."""
         return self.loss_mask.sum(dim=1)
+
+    @property
+    def model_turns(self) -> torch.Tensor:
+        """[N] int64: the model turns of each episode (runs of sampled tokens; 1 for a completion)."""
+        mask = self.loss_mask.long()
+        return (mask.diff(dim=1, prepend=torch.zeros_like(mask[:, :1])) == 1).sum(dim=1)
+
+    def turns(self, i: int) -> list[tuple[bool, list[int]]]:
+        """Episode i after its prompt, turn by turn: (sampled by the model, token ids) in order."""
+        start, end = int(self.prompt_lens[i]), int(self.seq_lens[i])
+        out: list[tuple[bool, list[int]]] = []
+        for token, sampled in zip(self.tokens[i, start:end].tolist(), self.loss_mask[i, start:end].tolist()):
+            if out and out[-1][0] == sampled:
+                out[-1][1].append(token)
+            else:
+                out.append((sampled, [token]))
+        return out
 
     def completion(self, i: int) -> list[int]:
         start = int(self.prompt_lens[i])

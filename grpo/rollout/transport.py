@@ -6,8 +6,8 @@ One exchange per batch:
 2. every rank computes the same assignment of groups to trainer ranks: longest-processing-time
    first by token count, so trainer loads are balanced and a group is never split;
 3. each generator sends each trainer one int64 tensor (lengths, flags, indices, token ids, loss
-   mask) and one fp32 tensor (generator log-probs) holding that trainer's groups; shapes are known
-   from the table.
+   mask) and one fp32 tensor (the environment's reward, then the generator log-probs) holding that
+   trainer's groups; shapes are known from the table.
 Trainers receive their groups ordered by (prompt index, sample index), independent of which
 generator produced them. Episode tensors stay on the CPU: they are small and this keeps weight
 traffic, which uses the device, on its own groups.
@@ -53,24 +53,26 @@ def _encode(batch: EpisodeBatch, rows: list[int], width: int) -> tuple[torch.Ten
     header = torch.stack([getattr(batch, name)[rows].long() for name in _HEADER], dim=1)
     tokens = torch.zeros((len(rows), width), dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
-    logprobs = torch.zeros((len(rows), width), dtype=torch.float32)
+    floats = torch.zeros((len(rows), 1 + width), dtype=torch.float32)
     used = min(width, batch.tokens.shape[1])
     tokens[:, :used] = batch.tokens[rows, :used]
     mask[:, :used] = batch.loss_mask[rows, :used]
-    logprobs[:, :used] = batch.gen_logprobs[rows, :used]
-    return torch.cat([header, tokens, mask], dim=1), logprobs
+    floats[:, 0] = batch.env_rewards[rows]
+    floats[:, 1 : 1 + used] = batch.gen_logprobs[rows, :used]
+    return torch.cat([header, tokens, mask], dim=1), floats
 
 
-def _decode(ints: torch.Tensor, logprobs: torch.Tensor) -> EpisodeBatch:
-    """Inverse of `_encode`: ints [n, len(_HEADER) + 2 W], logprobs [n, W]."""
-    n, width = logprobs.shape
+def _decode(ints: torch.Tensor, floats: torch.Tensor) -> EpisodeBatch:
+    """Inverse of `_encode`: ints [n, len(_HEADER) + 2 W], floats [n, 1 + W]."""
+    n, width = floats.shape[0], floats.shape[1] - 1
     fields = {name: ints[:, i] for i, name in enumerate(_HEADER)}
     fields["truncated"] = fields["truncated"].bool()
     body = ints[:, len(_HEADER) :]
     return EpisodeBatch(
         tokens=body[:, :width],
         loss_mask=body[:, width:].bool(),
-        gen_logprobs=logprobs,
+        gen_logprobs=floats[:, 1:],
+        env_rewards=floats[:, 0],
         rewards=torch.zeros(n),
         advantages=torch.zeros(n),
         **fields,
@@ -123,7 +125,7 @@ def exchange_episodes(
                         dist.P2POp(dist.isend, floats, trainer, roles.episode_group)]
             else:
                 ints = torch.empty((n, len(_HEADER) + 2 * width), dtype=torch.long)
-                floats = torch.empty((n, width), dtype=torch.float32)
+                floats = torch.empty((n, 1 + width), dtype=torch.float32)
                 ops += [dist.P2POp(dist.irecv, ints, src, roles.episode_group),
                         dist.P2POp(dist.irecv, floats, src, roles.episode_group)]
                 received.append((ints, floats))
@@ -133,7 +135,7 @@ def exchange_episodes(
     if not roles.is_trainer:
         return None, generate_s
     if not received:
-        return _decode(torch.zeros((0, len(_HEADER) + 2), dtype=torch.long), torch.zeros((0, 1))), generate_s
+        return _decode(torch.zeros((0, len(_HEADER) + 2), dtype=torch.long), torch.zeros((0, 2))), generate_s
     episodes = concat_episodes([_decode(i, f) for i, f in received], pad_id=0)
     order = sorted(range(len(episodes)), key=lambda i: (int(episodes.prompt_index[i]), int(episodes.sample_index[i])))
     return episodes.select(order), generate_s

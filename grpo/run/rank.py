@@ -35,9 +35,11 @@ from grpo.distributed.roles import Roles
 from grpo.distributed.weight_sync import WeightSync
 from grpo.engine import Engine, NativeEngine, SamplingParams
 from grpo.engine.vmm import mapped_bytes
+from grpo.envs import make_environment
 from grpo.errors import TandemError
 from grpo.observe.flops import mfu, peak_flops
 from grpo.observe.metrics import reduce_across
+from grpo.rollout.conversation import generate_conversations
 from grpo.rollout.episode import (
     EpisodeBatch,
     compute_advantages,
@@ -107,6 +109,9 @@ class Run:
         self.trainer_group = roles.trainer_mesh.get_group() if roles.trainer_mesh is not None else None
         self.trainer = self._build_trainer() if roles.is_trainer else None
         self.engine = self._build_engine() if roles.is_generator else None
+        self.env = None
+        if roles.is_generator and cfg.env.name:
+            self.env = make_environment(cfg.env.name, cfg.job.seed, cfg.env.max_turns)
         self.weight_bytes = sum(math.prod(s) for s in shapes.values()) * torch.empty((), dtype=self.dtype).element_size()
         self.weight_sync = self._build_weight_sync(shapes) if roles.split else None
         self.greedy = SamplingParams(cfg.generation.max_new_tokens, temperature=0.0)
@@ -138,7 +143,7 @@ class Run:
             total_steps=cfg.training.steps,
             micro_batch_tokens=cfg.training.micro_batch_tokens,
             temperature=cfg.generation.temperature,
-            max_new_tokens=cfg.generation.max_new_tokens,
+            max_new_tokens=cfg.max_episode_tokens,
             activation_checkpointing=cfg.model.activation_checkpointing,
             compile=cfg.model.compile and device.type == "cuda",
             reference=reference,
@@ -157,7 +162,7 @@ class Run:
             stop_strings=gen.stop,
             decode_text=self.tokenizer.decode,
             max_batch_size=gen.max_batch_size,
-            max_seq_len=gen.max_seq_len or self.source.max_prompt_tokens + gen.max_new_tokens,
+            max_seq_len=gen.max_seq_len or self.source.max_prompt_tokens + cfg.max_episode_tokens,
             kv_cache_gb=gen.kv_cache_gb,
         )
         if gen.engine == "vllm":
@@ -258,7 +263,13 @@ class Run:
         # The ranks of a TP group run one engine: each generates the engine's share, the first hands it on.
         mine = prompts[roles.engine_index :: roles.engines]
         start = time.perf_counter()
-        batch = generate_episodes(self.engine, mine, group_size, step, self.tokenizer.pad_id, sampling)
+        if self.env is None:
+            batch = generate_episodes(self.engine, mine, group_size, step, self.tokenizer.pad_id, sampling)
+        else:
+            batch, _ = generate_conversations(
+                self.engine, self.env, mine, group_size, step, self.tokenizer, self.tokenizer.pad_id,
+                sampling or self.engine.sampling, self.cfg.env.max_tokens,
+            )
         return (batch if roles.reports_episodes else None), time.perf_counter() - start
 
     def deliver(self, batch: EpisodeBatch | None, num_prompts: int, generate_s: float) -> tuple[EpisodeBatch | None, float]:
@@ -354,6 +365,7 @@ class Run:
                 **{f"reward/{name}": total / max(n, 1) for name, total in reward_sums.items()},
                 "episode/length_mean": float(episodes.completion_lens.sum()) / max(n, 1),
                 "episode/truncated_frac": float(episodes.truncated.sum()) / max(n, 1),
+                **({"episode/turns_mean": float(episodes.model_turns.sum()) / max(n, 1)} if self.cfg.env.name else {}),
                 "staleness/mean": float(staleness.sum()) / max(n, 1),
                 "staleness/max": float(staleness.max()) if n else 0.0,
             },
@@ -382,7 +394,7 @@ class Run:
     def samples(self, episodes: EpisodeBatch, prompts: dict[int, Prompt]) -> list[dict]:
         """The first metrics.samples_prompts groups of this rank's episodes, as readable records."""
         count = self.cfg.metrics.samples_prompts * self.cfg.grpo.group_size
-        return [
+        records = [
             {
                 "prompt": prompts[int(episodes.prompt_index[i])].text,
                 "completion": self.tokenizer.decode(episodes.completion(i)),
@@ -392,3 +404,11 @@ class Run:
             }
             for i in range(min(count, len(episodes)))
         ]
+        if self.cfg.env.name:
+            # The whole conversation, as the trainer trained on it: each turn's text and token ids.
+            for i, record in enumerate(records):
+                record["turns"] = [
+                    {"role": "model" if sampled else "env", "text": self.tokenizer.decode(ids), "tokens": ids}
+                    for sampled, ids in episodes.turns(i)
+                ]
+        return records

@@ -1,5 +1,6 @@
 """Turn episodes into rewards: reward functions run in a CPU process pool with a timeout."""
 
+import math
 import sys
 import typing
 from collections.abc import Callable
@@ -214,10 +215,13 @@ def score_episodes(
     """Fill episodes.rewards; returns each reward function's sum over these episodes.
 
     defaults: metadata every reward call sees unless the prompt's own metadata overrides it
-    (e.g. "format_pattern" for format_reward)."""
+    (e.g. "format_pattern" for format_reward). Each call's metadata also holds "env_reward": the
+    reward the episode's environment gave, None where it gave none (rewards.env_reward reads it).
+    A multi-turn episode's completion is everything after its prompt, environment turns included."""
     owners = [prompts[int(i)] for i in episodes.prompt_index]
     texts = [decode(episodes.completion(i)) for i in range(len(episodes))]
-    metadata = [{**(defaults or {}), **p.metadata} for p in owners]
+    heard = [None if math.isnan(r) else r for r in episodes.env_rewards.tolist()]
+    metadata = [{**(defaults or {}), **p.metadata, "env_reward": r} for p, r in zip(owners, heard)]
     scored = scorer.score([p.text for p in owners], texts, [p.answer for p in owners], metadata)
     episodes.rewards = scored.total
     return {name: float(values.sum()) for name, values in scored.per_function.items()}
