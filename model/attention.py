@@ -24,9 +24,13 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.varlen import varlen_attn
 
 from model import batch_invariant
+
+if torch.cuda.is_available():
+    # Only CUDA tensors reach the flash kernels, and importing this module loads dynamo and Triton
+    # (about a second per process): CPU-only hosts skip it.
+    from torch.nn.attention.varlen import varlen_attn
 
 
 @dataclass
@@ -83,7 +87,8 @@ def _varlen_signature() -> tuple[dict, bool]:
     return causal, "enable_gqa" in params
 
 
-_VARLEN_CAUSAL, _VARLEN_TAKES_GQA = _varlen_signature()
+if torch.cuda.is_available():
+    _VARLEN_CAUSAL, _VARLEN_TAKES_GQA = _varlen_signature()
 
 
 def _varlen_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SequenceLayout) -> torch.Tensor:

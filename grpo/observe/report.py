@@ -15,11 +15,12 @@ import math
 import os
 import sys
 from pathlib import Path
-from typing import Any
-
-from matplotlib.figure import Figure
+from typing import TYPE_CHECKING, Any
 
 from grpo.errors import TandemError
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 # (title, [(metric key, legend label)], kind). Kinds: "train" = a line per step with a rolling mean
 # over it, "eval" = markers at the (sparse) eval steps, "twin" = a second y axis for the second
@@ -109,6 +110,9 @@ def _draw(ax: Any, records: list[dict[str, Any]], keys: tuple[tuple[str, str], .
 
 def build_figure(records: list[dict[str, Any]], title: str = "") -> Figure:
     """One axis per panel whose metrics appear in `records` (two columns), against step."""
+    # Imported here: a run loads matplotlib (most of a second) only when it draws its report.
+    from matplotlib.figure import Figure
+
     panels: dict[str, list[tuple[tuple[tuple[str, str], ...], str]]] = {}
     for name, keys, kind in _PANELS:
         if any(key in r for r in records for key, _ in keys):
