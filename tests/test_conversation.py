@@ -4,12 +4,16 @@ environment's, the loss mask marks the sampled ones, the generator's log-probs a
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import pytest
 import torch
 
 from grpo.data.digits import CharTokenizer, DigitTask
 from grpo.engine import NativeEngine, SamplingParams
 from grpo.envs.base import EnvReply
+from grpo.envs.calls import EnvCalls
 from grpo.envs.relay import DigitRelay
 from grpo.rollout.conversation import EnvironmentFailure, generate_conversations
 from model import ModelArgs, Transformer
@@ -48,7 +52,7 @@ class Recording:
         return reply
 
 
-def _rollout(model, env, max_new=6, max_tokens=32, group_size=3):
+def _rollout(model, env, max_new=6, max_tokens=32, group_size=3, **options):
     sampling = SamplingParams(max_new_tokens=max_new, temperature=1.0)
     engine = NativeEngine(ARGS, sampling, eos_ids=TOKENIZER.eos_ids, seed=0, dtype=torch.float32, device="cpu")
     engine.update_weights([[(n, (), p) for n, p in model.named_parameters()]], version=3)
@@ -56,7 +60,7 @@ def _rollout(model, env, max_new=6, max_tokens=32, group_size=3):
     recording = Recording(engine, env)
     with one_thread():
         batch, stats = generate_conversations(recording, recording, prompts, group_size, 1, TOKENIZER,
-                                                           TOKENIZER.pad_id, sampling, max_tokens)
+                                      TOKENIZER.pad_id, sampling, max_tokens, **options)
     return prompts, recording, batch, batch.env_rewards.tolist(), stats
 
 
@@ -146,3 +150,51 @@ def test_an_environment_that_raises_or_answers_wrongly_is_one_line(model):
         _rollout(model, Broken())
     with pytest.raises(EnvironmentFailure, match="environment 'wrong' .* returned str, not an EnvReply"):
         _rollout(model, Wrong())
+
+
+class Sleepy(Broken):
+    """Hangs on the first turn of odd prompts; answers like digit_relay otherwise."""
+
+    name = "sleepy"
+
+    def reset(self, prompt):
+        return DigitRelay(seed=0).reset(prompt), prompt.index
+
+    def step(self, state, turn, completion, completion_tokens):
+        relay_state, index = state
+        if index % 2:
+            time.sleep(30)
+        return DigitRelay(seed=0).step(relay_state, turn, completion, completion_tokens)
+
+
+def test_a_hung_environment_call_fails_its_episode_in_one_line_not_the_run(model, capsys):
+    """env.timeout_s bounds each call: "stop" names the call; "zero" ends those episodes (no reward,
+    env_failed), finishes the others, and warns once."""
+    with pytest.raises(EnvironmentFailure, match=r"environment 'sleepy' on episode \(prompt \d*[13579], sample \d\), "
+                                                r"turn 0 did not return within env.timeout_s = 0.5 s"):
+        _rollout(model, Sleepy(), calls=EnvCalls(timeout_s=0.5, workers=4))
+    start = time.monotonic()
+    prompts, _, batch, env_rewards, stats = _rollout(model, Sleepy(), calls=EnvCalls(timeout_s=0.5, workers=4),
+                                                     on_error="zero")
+    assert time.monotonic() - start < 10
+    odd = torch.tensor([p.index % 2 == 1 for p in prompts]).repeat_interleave(3)
+    assert odd.any() and not odd.all()
+    assert batch.env_failed.tolist() == odd.tolist()
+    assert batch.env_rewards[odd].isnan().all() and not batch.env_rewards[~odd].isnan().any()
+    assert (batch.model_turns == torch.where(odd, 1, 2)).all()
+    assert len(stats.failures) == int(odd.sum())
+    assert capsys.readouterr().err.count("warning: ") == 1
+
+
+class AsyncRelay(DigitRelay):
+    async def step(self, state, turn, completion, completion_tokens):
+        await asyncio.sleep(0.01)
+        return DigitRelay.step(self, state, turn, completion, completion_tokens)
+
+
+def test_an_async_environment_is_awaited(model):
+    *_, sync_batch, _, _ = _rollout(model, DigitRelay(seed=0))
+    *_, async_batch, _, _ = _rollout(model, AsyncRelay(seed=0))
+    assert torch.equal(sync_batch.tokens, async_batch.tokens)
+    assert torch.equal(sync_batch.env_rewards, async_batch.env_rewards)
+    assert (async_batch.env_seconds >= 0.01).all()

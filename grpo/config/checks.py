@@ -197,6 +197,8 @@ def _check_env(cfg: Config) -> None:
         raise ConfigError(f"env.name = {e.name!r} is not a built-in environment{hint}")
     _require(e.max_tokens >= 1, "env.max_tokens", e.max_tokens, "must be >= 1")
     _require(e.max_turns >= 0, "env.max_turns", e.max_turns, "must be >= 0 (0 = the environment's own)")
+    _require(e.timeout_s > 0, "env.timeout_s", e.timeout_s, "must be > 0")
+    _require(e.workers >= 1, "env.workers", e.workers, "must be >= 1")
     _require(cfg.grpo.overlong_buffer == 0, "grpo.overlong_buffer", cfg.grpo.overlong_buffer,
              "must be 0 with env.name: the overlong penalty counts one completion's tokens against "
              "generation.max_new_tokens, and a multi-turn episode holds several turns and the environment's")

@@ -221,6 +221,10 @@ class EnvConfig:
     max_tokens: int = 32
     # model turns per episode at most; 0 = the environment's own max_turns
     max_turns: int = 0
+    # seconds one environment call (reset or a reply) may take; past it the call fails as under rewards.on_error
+    timeout_s: float = 60.0
+    # threads per generator rank running environment calls side by side
+    workers: int = 8
 
 
 @dataclass

@@ -9,7 +9,8 @@ text through the tokenizer), so the trainer's sequence is exactly what was sampl
 
 from __future__ import annotations
 
-import time
+import functools
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +19,7 @@ import torch
 from grpo.data.prompt import Prompt, Tokenizer
 from grpo.engine import Completion, Engine, GenerationRequest, SamplingParams
 from grpo.envs.base import Environment, EnvReply
+from grpo.envs.calls import CallOutcome, EnvCalls
 from grpo.errors import TandemError
 from grpo.rollout.episode import EpisodeBatch
 
@@ -41,7 +43,10 @@ class Conversation:
     turns: int = 0
     done: bool = False
     truncated: bool = False
+    failed: bool = False
     reward: float | None = None
+    env_seconds: float = 0.0
+    last: Completion | None = None  # the model's latest turn, which the environment answers next
 
     @property
     def after_prompt(self) -> int:
@@ -62,27 +67,34 @@ class ConversationStats:
     env_seconds: float = 0.0
     truncated_by_turns: int = 0
     truncated_by_tokens: int = 0
+    failures: list[str] = field(default_factory=list)  # one line per failed environment call
 
 
-def _reply(env: Environment, conv: Conversation, turn: int, completion: Completion, tokenizer: Tokenizer) -> EnvReply:
-    where = f"environment '{env.name}' on episode (prompt {conv.prompt.index}, sample {conv.sample_index}), turn {turn}"
-    try:
-        reply = env.step(conv.state, turn, tokenizer.decode(completion.tokens), list(completion.tokens))
-    except Exception as error:
-        raise EnvironmentFailure(f"{where} raised {error!r}") from error
-    if not isinstance(reply, EnvReply):
-        raise EnvironmentFailure(f"{where} returned {type(reply).__name__}, not an EnvReply")
-    return reply
+def _checked(
+    env: Environment, conv: Conversation, what: str, outcome: CallOutcome, timeout_s: float, on_error: str,
+    stats: ConversationStats, want: type | None = None,
+) -> Any:
+    """The call's result, or None when it failed: then on_error "stop" raises, "zero" ends the episode."""
+    kind, value = outcome
+    where = f"environment '{env.name}' on episode (prompt {conv.prompt.index}, sample {conv.sample_index}), {what}"
+    if kind == "ok" and (want is None or isinstance(value, want)):
+        return value
+    if kind == "raised":
+        message = f"{where} raised {value!r}"
+    elif kind == "timeout":
+        message = f"{where} did not return within env.timeout_s = {timeout_s:g} s"
+    else:
+        message = f"{where} returned {type(value).__name__}, not an {want.__name__}"
+    if on_error == "stop":
+        raise EnvironmentFailure(message)
+    conv.done = conv.failed = True
+    stats.failures.append(message)
+    return None
 
 
-def _hear(
-    env: Environment, conv: Conversation, turn: int, completion: Completion, tokenizer: Tokenizer, max_tokens: int,
-    stats: ConversationStats,
-) -> None:
-    """The environment's reply to model turn `turn`, appended; the conversation ends where it ends."""
-    start = time.perf_counter()
-    reply = _reply(env, conv, turn, completion, tokenizer)
-    stats.env_seconds += time.perf_counter() - start
+def _hear(env: Environment, conv: Conversation, reply: EnvReply, tokenizer: Tokenizer, max_tokens: int,
+          stats: ConversationStats) -> None:
+    """Append the environment's reply to the model's last turn; the conversation ends where it ends."""
     if reply.done:
         conv.done, conv.reward = True, reply.reward
         return
@@ -107,19 +119,28 @@ def generate_conversations(
     pad_id: int,
     sampling: SamplingParams,
     max_tokens: int,
+    calls: EnvCalls | None = None,
+    on_error: str = "stop",
 ) -> tuple[EpisodeBatch, ConversationStats]:
     """group_size conversations of each prompt, group by group, as episodes.
 
     sampling.max_new_tokens caps each model turn; max_tokens caps all tokens after the prompt
-    (model and environment together). Returns the episodes (env_rewards: the environment's reward,
-    NaN where it gave none) and the batch's statistics.
+    (model and environment together). The environment's calls run through `calls` (time-limited
+    threads; default: 8 of them, 60 s a call); a call that raises, times out or answers with
+    something else stops the rollout with EnvironmentFailure (on_error "stop") or ends its episode
+    with no reward, marked env_failed ("zero"). Returns the episodes (env_rewards: the
+    environment's reward, NaN where it gave none) and the batch's statistics.
     """
+    calls = calls or EnvCalls(timeout_s=60.0, workers=8)
+    check = functools.partial(_checked, env, timeout_s=calls.timeout_s, on_error=on_error)
     convs = [
-        Conversation(p, s, env.reset(p), list(p.token_ids), [False] * len(p.token_ids), [0.0] * len(p.token_ids))
+        Conversation(p, s, None, list(p.token_ids), [False] * len(p.token_ids), [0.0] * len(p.token_ids))
         for p in prompts
         for s in range(group_size)
     ]
     stats = ConversationStats()
+    for conv, (outcome, seconds) in zip(convs, calls.run(env.reset, [(c.prompt,) for c in convs])):
+        conv.state, conv.env_seconds = check(conv, "reset", outcome, stats=stats), seconds
     for turn in range(env.max_turns):
         active = [c for c in convs if not c.done]
         if not active:
@@ -137,8 +158,19 @@ def generate_conversations(
                 conv.done = conv.truncated = True
                 stats.truncated_by_tokens += 1
             else:
-                _hear(env, conv, turn, completion, tokenizer, max_tokens, stats)
+                conv.last = completion
+        asking = [c for c in active if not c.done]
+        arguments = [(c.state, turn, tokenizer.decode(c.last.tokens), list(c.last.tokens)) for c in asking]
+        for conv, (outcome, seconds) in zip(asking, calls.run(env.step, arguments)):
+            conv.env_seconds += seconds
+            stats.env_seconds += seconds
+            reply = check(conv, f"turn {turn}", outcome, stats=stats, want=EnvReply)
+            if reply is not None:
+                _hear(env, conv, reply, tokenizer, max_tokens, stats)
     stats.turns = [c.turns for c in convs]
+    if stats.failures:
+        print(f"warning: {len(stats.failures)} episodes ended without a reward (rewards.on_error = \"zero\"); "
+              f"first: {stats.failures[0]}", file=sys.stderr, flush=True)
     return _episodes(convs, pad_id), stats
 
 
@@ -166,4 +198,6 @@ def _episodes(convs: list[Conversation], pad_id: int) -> EpisodeBatch:
         advantages=torch.zeros(n),
         loss_mask=mask,
         env_rewards=torch.tensor([float("nan") if c.reward is None else c.reward for c in convs], dtype=torch.float32),
+        env_failed=torch.tensor([c.failed for c in convs], dtype=torch.bool),
+        env_seconds=torch.tensor([c.env_seconds for c in convs], dtype=torch.float32),
     )

@@ -37,7 +37,9 @@ class EpisodeBatch:
     loss_mask [N, L] bool: True at the tokens the model sampled, the only ones that carry loss.
     Left out (None), it is the single-turn mask: every token after the prompt;
     env_rewards [N] fp32: the reward an environment gave the episode, NaN where it gave none (and
-    for every single-turn episode); the `env_reward` reward function reads it.
+    for every single-turn episode); the `env_reward` reward function reads it;
+    env_failed [N] bool: the environment raised, hung or answered wrongly (rewards.on_error = "zero"
+    ends such an episode there); env_seconds [N] fp32: time in the environment's calls.
     """
 
     tokens: torch.Tensor
@@ -52,12 +54,19 @@ class EpisodeBatch:
     advantages: torch.Tensor
     loss_mask: torch.Tensor | None = None
     env_rewards: torch.Tensor | None = None
+    env_failed: torch.Tensor | None = None
+    env_seconds: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
+        n = self.tokens.shape[0]
         if self.loss_mask is None:
             self.loss_mask = completion_mask(self.prompt_lens, self.completion_lens, self.tokens.shape[1])
         if self.env_rewards is None:
-            self.env_rewards = torch.full((self.tokens.shape[0],), float("nan"))
+            self.env_rewards = torch.full((n,), float("nan"))
+        if self.env_failed is None:
+            self.env_failed = torch.zeros(n, dtype=torch.bool)
+        if self.env_seconds is None:
+            self.env_seconds = torch.zeros(n)
 
     def __len__(self) -> int:
         return self.tokens.shape[0]

@@ -6,8 +6,8 @@ One exchange per batch:
 2. every rank computes the same assignment of groups to trainer ranks: longest-processing-time
    first by token count, so trainer loads are balanced and a group is never split;
 3. each generator sends each trainer one int64 tensor (lengths, flags, indices, token ids, loss
-   mask) and one fp32 tensor (the environment's reward, then the generator log-probs) holding that
-   trainer's groups; shapes are known from the table.
+   mask) and one fp32 tensor (the environment's reward and time, then the generator log-probs)
+   holding that trainer's groups; shapes are known from the table.
 Trainers receive their groups ordered by (prompt index, sample index), independent of which
 generator produced them. Episode tensors stay on the CPU: they are small and this keeps weight
 traffic, which uses the device, on its own groups.
@@ -22,7 +22,9 @@ from grpo.distributed.roles import Roles
 from grpo.rollout.episode import EpisodeBatch, concat_episodes
 
 # Per-episode header columns in the int64 message, before the token ids and the loss mask.
-_HEADER = ("prompt_lens", "completion_lens", "truncated", "version", "prompt_index", "sample_index")
+_HEADER = ("prompt_lens", "completion_lens", "truncated", "version", "prompt_index", "sample_index", "env_failed")
+# Per-episode columns in the fp32 message, before the generator log-probs.
+_FLOAT_HEADER = ("env_rewards", "env_seconds")
 # Columns of the all-gathered group table.
 _PROMPT, _EPISODES, _TOKENS, _WIDTH, _VALID = range(5)
 
@@ -53,26 +55,27 @@ def _encode(batch: EpisodeBatch, rows: list[int], width: int) -> tuple[torch.Ten
     header = torch.stack([getattr(batch, name)[rows].long() for name in _HEADER], dim=1)
     tokens = torch.zeros((len(rows), width), dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
-    floats = torch.zeros((len(rows), 1 + width), dtype=torch.float32)
+    logprobs = torch.zeros((len(rows), width), dtype=torch.float32)
     used = min(width, batch.tokens.shape[1])
     tokens[:, :used] = batch.tokens[rows, :used]
     mask[:, :used] = batch.loss_mask[rows, :used]
-    floats[:, 0] = batch.env_rewards[rows]
-    floats[:, 1 : 1 + used] = batch.gen_logprobs[rows, :used]
-    return torch.cat([header, tokens, mask], dim=1), floats
+    logprobs[:, :used] = batch.gen_logprobs[rows, :used]
+    per_episode = torch.stack([getattr(batch, name)[rows].float() for name in _FLOAT_HEADER], dim=1)
+    return torch.cat([header, tokens, mask], dim=1), torch.cat([per_episode, logprobs], dim=1)
 
 
 def _decode(ints: torch.Tensor, floats: torch.Tensor) -> EpisodeBatch:
-    """Inverse of `_encode`: ints [n, len(_HEADER) + 2 W], floats [n, 1 + W]."""
-    n, width = floats.shape[0], floats.shape[1] - 1
+    """Inverse of `_encode`: ints [n, len(_HEADER) + 2 W], floats [n, len(_FLOAT_HEADER) + W]."""
+    n, width = floats.shape[0], floats.shape[1] - len(_FLOAT_HEADER)
     fields = {name: ints[:, i] for i, name in enumerate(_HEADER)}
+    fields |= {name: floats[:, i] for i, name in enumerate(_FLOAT_HEADER)}
     fields["truncated"] = fields["truncated"].bool()
+    fields["env_failed"] = fields["env_failed"].bool()
     body = ints[:, len(_HEADER) :]
     return EpisodeBatch(
         tokens=body[:, :width],
         loss_mask=body[:, width:].bool(),
-        gen_logprobs=floats[:, 1:],
-        env_rewards=floats[:, 0],
+        gen_logprobs=floats[:, len(_FLOAT_HEADER) :],
         rewards=torch.zeros(n),
         advantages=torch.zeros(n),
         **fields,
@@ -125,7 +128,7 @@ def exchange_episodes(
                         dist.P2POp(dist.isend, floats, trainer, roles.episode_group)]
             else:
                 ints = torch.empty((n, len(_HEADER) + 2 * width), dtype=torch.long)
-                floats = torch.empty((n, 1 + width), dtype=torch.float32)
+                floats = torch.empty((n, len(_FLOAT_HEADER) + width), dtype=torch.float32)
                 ops += [dist.P2POp(dist.irecv, ints, src, roles.episode_group),
                         dist.P2POp(dist.irecv, floats, src, roles.episode_group)]
                 received.append((ints, floats))
@@ -135,7 +138,7 @@ def exchange_episodes(
     if not roles.is_trainer:
         return None, generate_s
     if not received:
-        return _decode(torch.zeros((0, len(_HEADER) + 2), dtype=torch.long), torch.zeros((0, 2))), generate_s
+        return _decode(torch.zeros((0, len(_HEADER) + 2), dtype=torch.long), torch.zeros((0, len(_FLOAT_HEADER) + 1))), generate_s
     episodes = concat_episodes([_decode(i, f) for i, f in received], pad_id=0)
     order = sorted(range(len(episodes)), key=lambda i: (int(episodes.prompt_index[i]), int(episodes.sample_index[i])))
     return episodes.select(order), generate_s

@@ -36,6 +36,7 @@ from grpo.distributed.weight_sync import WeightSync
 from grpo.engine import Engine, NativeEngine, SamplingParams
 from grpo.engine.vmm import mapped_bytes
 from grpo.envs import make_environment
+from grpo.envs.calls import EnvCalls
 from grpo.errors import TandemError
 from grpo.observe.flops import mfu, peak_flops
 from grpo.observe.metrics import reduce_across
@@ -112,6 +113,7 @@ class Run:
         self.env = None
         if roles.is_generator and cfg.env.name:
             self.env = make_environment(cfg.env.name, cfg.job.seed, cfg.env.max_turns)
+            self.env_calls = EnvCalls(cfg.env.timeout_s, cfg.env.workers)
         self.weight_bytes = sum(math.prod(s) for s in shapes.values()) * torch.empty((), dtype=self.dtype).element_size()
         self.weight_sync = self._build_weight_sync(shapes) if roles.split else None
         self.greedy = SamplingParams(cfg.generation.max_new_tokens, temperature=0.0)
@@ -268,7 +270,7 @@ class Run:
         else:
             batch, _ = generate_conversations(
                 self.engine, self.env, mine, group_size, step, self.tokenizer, self.tokenizer.pad_id,
-                sampling or self.engine.sampling, self.cfg.env.max_tokens,
+                sampling or self.engine.sampling, self.cfg.env.max_tokens, self.env_calls, self.cfg.rewards.on_error,
             )
         return (batch if roles.reports_episodes else None), time.perf_counter() - start
 
@@ -365,7 +367,7 @@ class Run:
                 **{f"reward/{name}": total / max(n, 1) for name, total in reward_sums.items()},
                 "episode/length_mean": float(episodes.completion_lens.sum()) / max(n, 1),
                 "episode/truncated_frac": float(episodes.truncated.sum()) / max(n, 1),
-                **({"episode/turns_mean": float(episodes.model_turns.sum()) / max(n, 1)} if self.cfg.env.name else {}),
+                **(self._env_metrics(episodes) if self.cfg.env.name else {}),
                 "staleness/mean": float(staleness.sum()) / max(n, 1),
                 "staleness/max": float(staleness.max()) if n else 0.0,
             },
@@ -374,6 +376,16 @@ class Run:
         )
         times = reduce_across(times, self.trainer_group)
         return {**per_episode, **train_metrics, **times, **self._rates(episodes, times)}, times
+
+    @staticmethod
+    def _env_metrics(episodes: EpisodeBatch) -> dict[str, float]:
+        """Multi-turn episodes' means over this rank's episodes (reduce_across weighs them by count)."""
+        n = max(len(episodes), 1)
+        return {
+            "episode/turns_mean": float(episodes.model_turns.sum()) / n,
+            "env/seconds_mean": float(episodes.env_seconds.sum()) / n,
+            "env/failed_frac": float(episodes.env_failed.sum()) / n,
+        }
 
     def _rates(self, episodes: EpisodeBatch, times: dict[str, float]) -> dict[str, float]:
         """Throughput of this rank's share, summed over trainer ranks; MFU against the stated peak."""
