@@ -35,7 +35,8 @@ from grpo.errors import TandemError
 #   "sum":  counts and rates of ranks working side by side.
 REDUCTIONS: dict[str, str] = {
     "reward/": "mean",  # episode means: the mean reward, and per reward function
-    "episode/": "mean",  # episode means: completion length, truncated fraction
+    "episode/": "mean",  # episode means: completion length, truncated fraction, model turns
+    "env/": "mean",  # episode means: time in environment calls, failed fraction
     "eval/": "mean",  # means over held-out completions
     "loss/": "mean",  # token means of the loss terms (clip fraction, entropy, KL, ratio)
     "loss/ratio_max": "max",
