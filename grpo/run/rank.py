@@ -38,6 +38,7 @@ from grpo.engine.vmm import mapped_bytes
 from grpo.envs import make_environment
 from grpo.envs.calls import EnvCalls
 from grpo.errors import TandemError
+from grpo.observe.episodes import episode_samples, multi_turn_metrics
 from grpo.observe.flops import mfu, peak_flops
 from grpo.observe.metrics import reduce_across
 from grpo.rollout.conversation import generate_conversations
@@ -367,7 +368,7 @@ class Run:
                 **{f"reward/{name}": total / max(n, 1) for name, total in reward_sums.items()},
                 "episode/length_mean": float(episodes.completion_lens.sum()) / max(n, 1),
                 "episode/truncated_frac": float(episodes.truncated.sum()) / max(n, 1),
-                **(self._env_metrics(episodes) if self.cfg.env.name else {}),
+                **(multi_turn_metrics(episodes) if self.cfg.env.name else {}),
                 "staleness/mean": float(staleness.sum()) / max(n, 1),
                 "staleness/max": float(staleness.max()) if n else 0.0,
             },
@@ -376,16 +377,6 @@ class Run:
         )
         times = reduce_across(times, self.trainer_group)
         return {**per_episode, **train_metrics, **times, **self._rates(episodes, times)}, times
-
-    @staticmethod
-    def _env_metrics(episodes: EpisodeBatch) -> dict[str, float]:
-        """Multi-turn episodes' means over this rank's episodes (reduce_across weighs them by count)."""
-        n = max(len(episodes), 1)
-        return {
-            "episode/turns_mean": float(episodes.model_turns.sum()) / n,
-            "env/seconds_mean": float(episodes.env_seconds.sum()) / n,
-            "env/failed_frac": float(episodes.env_failed.sum()) / n,
-        }
 
     def _rates(self, episodes: EpisodeBatch, times: dict[str, float]) -> dict[str, float]:
         """Throughput of this rank's share, summed over trainer ranks; MFU against the stated peak."""
@@ -406,21 +397,4 @@ class Run:
     def samples(self, episodes: EpisodeBatch, prompts: dict[int, Prompt]) -> list[dict]:
         """The first metrics.samples_prompts groups of this rank's episodes, as readable records."""
         count = self.cfg.metrics.samples_prompts * self.cfg.grpo.group_size
-        records = [
-            {
-                "prompt": prompts[int(episodes.prompt_index[i])].text,
-                "completion": self.tokenizer.decode(episodes.completion(i)),
-                "reward": float(episodes.rewards[i]),
-                "advantage": float(episodes.advantages[i]),
-                "finish": "length" if bool(episodes.truncated[i]) else "stop",
-            }
-            for i in range(min(count, len(episodes)))
-        ]
-        if self.cfg.env.name:
-            # The whole conversation, as the trainer trained on it: each turn's text and token ids.
-            for i, record in enumerate(records):
-                record["turns"] = [
-                    {"role": "model" if sampled else "env", "text": self.tokenizer.decode(ids), "tokens": ids}
-                    for sampled, ids in episodes.turns(i)
-                ]
-        return records
+        return episode_samples(episodes.select(slice(0, count)), prompts, self.tokenizer.decode, bool(self.cfg.env.name))
