@@ -188,6 +188,22 @@ def test_impossible_values_name_the_key(override, key):
     assert error(override).startswith(key)
 
 
+def test_env_settings_are_checked_before_the_launch():
+    unknown = error("--env.name=digit_rely")
+    assert unknown == 'env.name = "digit_rely" is not a built-in environment (did you mean \'digit_relay\'?)'
+    assert error("--env.name=calculator").startswith('env.name = "calculator" needs model.path')
+    assert error('--rewards.functions=["env_reward"]').startswith('rewards.functions = ["env_reward"] names env_reward')
+    overlong = error("--env.name=digit_relay", "--grpo.overlong_buffer=2")
+    assert overlong.startswith("grpo.overlong_buffer = 2 must be 0 with env.name")
+    for override, key in (("--env.max_tokens=0", "env.max_tokens"), ("--env.timeout_s=0", "env.timeout_s"),
+                          ("--env.workers=0", "env.workers"), ("--env.max_turns=-1", "env.max_turns")):
+        assert error("--env.name=digit_relay", override).startswith(key)
+    assert error("--env.name=digit_relay", "--training.micro_batch_tokens=20").endswith(
+        "must hold the longest episode: data.max_prompt_tokens + env.max_tokens = 544")
+    cfg = load("--env.name=mypackage.envs:make", '--rewards.functions=["env_reward"]')
+    assert cfg.max_episode_tokens == cfg.env.max_tokens
+
+
 def test_minibatches_must_divide_prompts():
     message = error("--data.prompts_per_step=16", "--grpo.minibatches=3")
     assert "grpo.minibatches = 3" in message and "divisor of 16" in message

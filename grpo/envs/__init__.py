@@ -6,27 +6,35 @@ from __future__ import annotations
 
 import importlib
 import sys
+from typing import Any
 
 from grpo.envs.base import Environment, EnvReply
 from grpo.envs.relay import DigitRelay
+from grpo.envs.tools import Calculator
 from grpo.errors import TandemError
 
 __all__ = ["BUILTIN_ENVIRONMENTS", "EnvReply", "Environment", "EnvironmentLoadError", "make_environment"]
 
-# env.name -> the built-in environment's class (built with the run's seed)
-BUILTIN_ENVIRONMENTS = {"digit_relay": DigitRelay}
+# env.name -> how the built-in environment is made from the run's seed and tokenizer
+BUILTIN_ENVIRONMENTS = {
+    "digit_relay": lambda seed, tokenizer: DigitRelay(seed=seed),
+    "calculator": lambda seed, tokenizer: Calculator(tokenizer, seed=seed),
+}
 
 
 class EnvironmentLoadError(TandemError, ValueError):
     """env.name does not give an environment; the message names the spec and why."""
 
 
-def make_environment(name: str, seed: int, max_turns: int = 0) -> Environment:
-    """The environment `name` gives: a built-in (made with `seed`), or "module:factory", a callable
-    imported from sys.path (the launch directory included) and called with no arguments.
-    max_turns > 0 lowers the environment's own cap on model turns."""
+def make_environment(name: str, seed: int, tokenizer: Any, max_turns: int = 0) -> Environment:
+    """The environment `name` gives: a built-in (made with `seed` and the run's tokenizer), or
+    "module:factory", a callable imported from sys.path (the launch directory included) and called
+    with no arguments. max_turns > 0 lowers the environment's own cap on model turns."""
     if name in BUILTIN_ENVIRONMENTS:
-        env = BUILTIN_ENVIRONMENTS[name](seed=seed)
+        try:
+            env = BUILTIN_ENVIRONMENTS[name](seed, tokenizer)
+        except ValueError as error:
+            raise EnvironmentLoadError(f"env.name = {name!r}: {error}") from None
     else:
         env = _load_factory(name)()
     for attribute in ("name", "max_turns", "reset", "step"):

@@ -217,11 +217,18 @@ def score_episodes(
     defaults: metadata every reward call sees unless the prompt's own metadata overrides it
     (e.g. "format_pattern" for format_reward). Each call's metadata also holds "env_reward": the
     reward the episode's environment gave, None where it gave none (rewards.env_reward reads it).
-    A multi-turn episode's completion is everything after its prompt, environment turns included."""
+    A multi-turn episode's completion is its last model turn (its final answer); its metadata's
+    "conversation" holds everything after the prompt, environment turns included."""
     owners = [prompts[int(i)] for i in episodes.prompt_index]
-    texts = [decode(episodes.completion(i)) for i in range(len(episodes))]
     heard = [None if math.isnan(r) else r for r in episodes.env_rewards.tolist()]
     metadata = [{**(defaults or {}), **p.metadata, "env_reward": r} for p, r in zip(owners, heard)]
+    texts = []
+    for i, turns in enumerate(episodes.model_turns.tolist()):
+        if turns <= 1:  # an episode ends with a model turn: one turn is the whole completion
+            texts.append(decode(episodes.completion(i)))
+            continue
+        texts.append(decode([ids for sampled, ids in episodes.turns(i) if sampled][-1]))
+        metadata[i]["conversation"] = decode(episodes.completion(i))
     scored = scorer.score([p.text for p in owners], texts, [p.answer for p in owners], metadata)
     episodes.rewards = scored.total
     return {name: float(values.sum()) for name, values in scored.per_function.items()}
