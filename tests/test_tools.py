@@ -88,6 +88,7 @@ def test_a_tool_conversation_is_token_exact_and_its_last_turn_is_scored(tokenize
         assert batch.loss_mask[i, : len(want)].tolist() == (
             [False] * len(prompt_ids) + [True] * len(first) + [False] * len(heard) + [True] * len(second))
     assert stats.turns == [2, 2] and batch.model_turns.tolist() == [2, 2] and not batch.truncated.any()
+    assert batch.tool_calls.tolist() == [1, 1] and batch.tool_errors.tolist() == [0, 0]
     scorer = Scorer(["tests.test_tools:final_turn_is_the_answer"], [1.0], timeout_s=10.0, num_workers=0)
     score_episodes(scorer, batch, {0: prompt}, tokenizer.decode)
     assert torch.equal(batch.rewards, torch.ones(2))
@@ -99,3 +100,20 @@ def test_the_calculator_needs_a_chat_template():
         from grpo.data.digits import CharTokenizer
 
         make_environment("calculator", 0, CharTokenizer())
+
+
+def test_calculator_replies_close_the_turn_and_count_calls_and_errors(tokenizer):
+    """A turn that ended with <|im_end|> gets the rest of the template's closing; one cut by its
+    token budget gets the end-of-turn marker too; failures are counted and read by the model."""
+    env = Calculator(tokenizer)
+    state = env.reset(None)
+    end = tokenizer.eos_ids[-1]
+    ok = env.step(state, 0, CALL, tokenizer.encode(CALL) + [end])
+    bad_call = "<tool_call>{oops}</tool_call>"
+    bad = env.step(state, 1, bad_call, tokenizer.encode(bad_call))
+    done = env.step(state, 2, ANSWER, tokenizer.encode(ANSWER) + [end])
+    assert (ok.tool_calls, ok.tool_errors, bad.tool_calls, bad.tool_errors) == (1, 0, 1, 1)
+    assert tokenizer.decode(ok.tokens, skip_special_tokens=False) == "\n<|im_start|>tool\n84<|im_end|>\n<|im_start|>assistant\n"
+    assert tokenizer.decode(bad.tokens, skip_special_tokens=False) == (
+        "<|im_end|>\n<|im_start|>tool\nerror: the tool call is not JSON<|im_end|>\n<|im_start|>assistant\n")
+    assert done.done and done.tool_calls == 0 and state["calls"] == 2

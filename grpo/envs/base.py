@@ -21,13 +21,17 @@ class EnvReply:
     tokens: ids appended after the model's turn (chat-template markers included), or
     text: appended through the run's tokenizer when `tokens` is None;
     done: the episode ends here (no further model turn);
-    reward: the episode's reward, when the environment decides it (read when done).
+    reward: the episode's reward, when the environment decides it (read when done);
+    tool_calls, tool_errors: the tool calls this reply answers, and how many of them failed
+    (counted per episode for the metrics).
     """
 
     tokens: list[int] | None = None
     text: str = ""
     done: bool = False
     reward: float | None = None
+    tool_calls: int = 0
+    tool_errors: int = 0
 
 
 class Environment(Protocol):

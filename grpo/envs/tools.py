@@ -89,10 +89,12 @@ class Calculator:
         if isinstance(call, str):
             result = f"error: {call}"
         elif call[0] != "calculator" or set(call[1]) != {"expression"}:
-            result = 'error: the one tool is calculator(expression: str)'
+            result = "error: the one tool is calculator(expression: str)"
         else:
             result = calculate(str(call[1]["expression"]), timeout_s=self.timeout_s)
         state["calls"] += 1
+        failed = int(result.startswith("error: "))
         ended = bool(completion_tokens) and completion_tokens[-1] in self.end_ids
         closing = self.text.closing if ended else self.end_text + self.text.closing
-        return EnvReply(tokens=self.tokenizer.encode(closing + self.text.before + result + self.text.after))
+        text = closing + self.text.before + result + self.text.after
+        return EnvReply(tokens=self.tokenizer.encode(text), tool_calls=1, tool_errors=failed)

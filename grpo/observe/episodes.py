@@ -39,4 +39,6 @@ def multi_turn_metrics(episodes: EpisodeBatch) -> dict[str, float]:
         "episode/turns_mean": float(episodes.model_turns.sum()) / n,
         "env/seconds_mean": float(episodes.env_seconds.sum()) / n,
         "env/failed_frac": float(episodes.env_failed.sum()) / n,
+        "env/tool_calls_mean": float(episodes.tool_calls.sum()) / n,
+        "env/tool_errors_mean": float(episodes.tool_errors.sum()) / n,
     }

@@ -46,6 +46,8 @@ class Conversation:
     failed: bool = False
     reward: float | None = None
     env_seconds: float = 0.0
+    tool_calls: int = 0
+    tool_errors: int = 0
     last: Completion | None = None  # the model's latest turn, which the environment answers next
 
     @property
@@ -95,6 +97,8 @@ def _checked(
 def _hear(env: Environment, conv: Conversation, reply: EnvReply, tokenizer: Tokenizer, max_tokens: int,
           stats: ConversationStats) -> None:
     """Append the environment's reply to the model's last turn; the conversation ends where it ends."""
+    conv.tool_calls += reply.tool_calls
+    conv.tool_errors += reply.tool_errors
     if reply.done:
         conv.done, conv.reward = True, reply.reward
         return
@@ -200,4 +204,6 @@ def _episodes(convs: list[Conversation], pad_id: int) -> EpisodeBatch:
         env_rewards=torch.tensor([float("nan") if c.reward is None else c.reward for c in convs], dtype=torch.float32),
         env_failed=torch.tensor([c.failed for c in convs], dtype=torch.bool),
         env_seconds=torch.tensor([c.env_seconds for c in convs], dtype=torch.float32),
+        tool_calls=torch.tensor([c.tool_calls for c in convs], dtype=torch.long),
+        tool_errors=torch.tensor([c.tool_errors for c in convs], dtype=torch.long),
     )

@@ -39,7 +39,8 @@ class EpisodeBatch:
     env_rewards [N] fp32: the reward an environment gave the episode, NaN where it gave none (and
     for every single-turn episode); the `env_reward` reward function reads it;
     env_failed [N] bool: the environment raised, hung or answered wrongly (rewards.on_error = "zero"
-    ends such an episode there); env_seconds [N] fp32: time in the environment's calls.
+    ends such an episode there); env_seconds [N] fp32: time in the environment's calls;
+    tool_calls, tool_errors [N] int64: tool calls the environment answered, and those that failed.
     """
 
     tokens: torch.Tensor
@@ -56,6 +57,8 @@ class EpisodeBatch:
     env_rewards: torch.Tensor | None = None
     env_failed: torch.Tensor | None = None
     env_seconds: torch.Tensor | None = None
+    tool_calls: torch.Tensor | None = None
+    tool_errors: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         n = self.tokens.shape[0]
@@ -67,6 +70,10 @@ class EpisodeBatch:
             self.env_failed = torch.zeros(n, dtype=torch.bool)
         if self.env_seconds is None:
             self.env_seconds = torch.zeros(n)
+        if self.tool_calls is None:
+            self.tool_calls = torch.zeros(n, dtype=torch.long)
+        if self.tool_errors is None:
+            self.tool_errors = torch.zeros(n, dtype=torch.long)
 
     def __len__(self) -> int:
         return self.tokens.shape[0]

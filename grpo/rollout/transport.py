@@ -22,7 +22,10 @@ from grpo.distributed.roles import Roles
 from grpo.rollout.episode import EpisodeBatch, concat_episodes
 
 # Per-episode header columns in the int64 message, before the token ids and the loss mask.
-_HEADER = ("prompt_lens", "completion_lens", "truncated", "version", "prompt_index", "sample_index", "env_failed")
+_HEADER = (
+    "prompt_lens", "completion_lens", "truncated", "version", "prompt_index", "sample_index", "env_failed", "tool_calls",
+    "tool_errors",
+)
 # Per-episode columns in the fp32 message, before the generator log-probs.
 _FLOAT_HEADER = ("env_rewards", "env_seconds")
 # Columns of the all-gathered group table.
