@@ -86,16 +86,20 @@ def test_the_readmes_example_environment_runs_as_written(tmp_path):
             assert roles[0] == "model" and all(a != b for a, b in zip(roles, roles[1:]))
 
 
-def test_conversations_under_the_async_schedule_with_bitwise_logprobs(tmp_path):
-    """digit_relay with generator ranks a step ahead (training.schedule = "async") and batch-invariant
-    numerics: every model token's generator log-prob, later turns included, equals the trainer's
-    recomputation bitwise, and every episode has its two model turns."""
-    args = [*RELAY, "--parallelism.mode=split", "--training.schedule=async", "--job.bitwise_logprobs=true",
+@pytest.mark.parametrize("schedule", ["sync", "async"])
+def test_conversations_with_bitwise_logprobs_in_both_schedules(tmp_path, schedule):
+    """digit_relay with batch-invariant numerics, split: every model token's generator log-prob,
+    later turns included, equals the trainer's recomputation bitwise wherever the generator had the
+    trainer's weights (every step in sync; async batches come from the policy one update older,
+    so only its first step's), and every episode has its two model turns."""
+    args = [*RELAY, "--parallelism.mode=split", f"--training.schedule={schedule}", "--job.bitwise_logprobs=true",
             "--training.steps=4", "--data.prompts_per_step=8", "--grpo.group_size=4", "--eval.num_prompts=8",
             f"--job.output_dir={tmp_path}"]
     result = _launch(args, nproc=2)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [r for r in metrics(tmp_path) if "logprob_diff/max" in r]
-    assert len(rows) == 4
-    assert all(r["logprob_diff/max"] == 0.0 and r["logprob_diff/exact_frac"] == 1.0 for r in rows)
-    assert all(r["episode/turns_mean"] == 2.0 for r in rows)
+    assert len(rows) == 4 and all(r["episode/turns_mean"] == 2.0 for r in rows)
+    on_policy = rows if schedule == "sync" else rows[:1]
+    assert all(r["logprob_diff/max"] == 0.0 and r["logprob_diff/exact_frac"] == 1.0 for r in on_policy)
+    if schedule == "async":
+        assert all(r["staleness/mean"] == 1.0 and r["logprob_diff/max"] > 0 for r in rows[1:])

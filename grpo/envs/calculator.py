@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import resource
+import signal
 import subprocess
 import sys
 
@@ -56,6 +57,8 @@ def calculate(expression: str, timeout_s: float = 2.0, memory_mb: int = 256, max
             timeout=timeout_s, preexec_fn=lambda: _limits(cpu_s, memory_mb), stdin=subprocess.DEVNULL,
         )
     except subprocess.TimeoutExpired:
+        return f"error: no result within {timeout_s:g} s"
+    if done.returncode in (-signal.SIGXCPU, -signal.SIGKILL):  # the CPU-time limit
         return f"error: no result within {timeout_s:g} s"
     if done.returncode != 0:
         last = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit status {done.returncode}"
