@@ -126,6 +126,39 @@ def test_weight_update_reaches_vllm_and_stop_strings_cut_like_the_native_engine(
     vllm.close()
 
 
+def test_conversations_with_the_vllm_engine_are_token_exact():
+    """digit_relay driven by vLLM: each episode is the prompt, the sampled turn, the environment's
+    digits and the second sampled turn, and every sampled token's log-prob equals our model's full
+    forward over the whole conversation (later turns re-prefill the history inside vLLM)."""
+    from grpo.data.digits import CharTokenizer, DigitTask
+    from grpo.envs.relay import DigitRelay
+    from grpo.rollout.conversation import generate_conversations
+
+    tokenizer = CharTokenizer()
+    args = dataclasses.replace(BASE, vocab_size=tokenizer.vocab_size)
+    model = _model(args)
+    sampling = SamplingParams(max_new_tokens=5, temperature=1.0)
+    vllm = VLLMEngine(args, sampling, eos_ids=tokenizer.eos_ids, seed=0, dtype=torch.float32, device="cpu",
+                      kv_cache_gb=1, max_seq_len=64)
+    vllm.update_weights(_weights(model), version=1)
+    prompts = DigitTask("copy_digits", tokenizer, 2, 4, seed=0, num_eval=0).train_prompts(1, 4)
+    batch, stats = generate_conversations(vllm, DigitRelay(seed=0), prompts, 2, 1, tokenizer, tokenizer.pad_id,
+                                          sampling, max_tokens=32)
+    vllm.close()
+    assert batch.model_turns.tolist() == [2] * 8 and stats.turns == [2] * 8
+    for i in range(len(batch)):
+        (first_sampled, _), (heard_sampled, heard), (second_sampled, _) = batch.turns(i)
+        secret = DigitRelay(seed=0).reset(prompts[i // 2]).secret
+        assert (first_sampled, heard_sampled, second_sampled) == (True, False, True)
+        assert heard == tokenizer.encode(secret + "=")
+        n = int(batch.seq_lens[i])
+        with torch.no_grad():
+            logits = model(batch.tokens[i : i + 1, : n - 1])[0].float()
+        recomputed = torch.log_softmax(logits, -1).gather(1, batch.tokens[i, 1:n, None])[:, 0]
+        mask = batch.loss_mask[i, 1:n]
+        torch.testing.assert_close(batch.gen_logprobs[i, 1:n][mask], recomputed[mask], atol=2e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize(("cores", "local_ranks", "want"), [
     ([0, 1], 2, ["0", "1"]),
     ([0, 1, 2, 3], 1, ["0,1,2,3"]),
