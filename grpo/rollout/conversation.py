@@ -113,6 +113,27 @@ def _hear(env: Environment, conv: Conversation, reply: EnvReply, tokenizer: Toke
         conv.append(list(heard), None)
 
 
+def _model_turn(
+    engine: Engine, active: list[Conversation], step: int, sampling: SamplingParams, max_tokens: int,
+    stats: ConversationStats,
+) -> None:
+    """The next model turn of each active conversation, appended with its log-probs under the mask."""
+    requests = [
+        GenerationRequest(c.tokens, step, c.prompt.index, c.sample_index,
+                          max_new_tokens=min(sampling.max_new_tokens, max_tokens - c.after_prompt))
+        for c in active
+    ]
+    for conv, completion in zip(active, engine.generate(requests, sampling)):
+        conv.append(list(completion.tokens), list(completion.logprobs))
+        conv.version = completion.version if conv.version < 0 else min(conv.version, completion.version)
+        conv.turns += 1
+        if completion.finish_reason == "length" and conv.after_prompt >= max_tokens:
+            conv.done = conv.truncated = True
+            stats.truncated_by_tokens += 1
+        else:
+            conv.last = completion
+
+
 def generate_conversations(
     engine: Engine,
     env: Environment,
@@ -149,20 +170,7 @@ def generate_conversations(
         active = [c for c in convs if not c.done]
         if not active:
             break
-        requests = [
-            GenerationRequest(c.tokens, step, c.prompt.index, c.sample_index,
-                              max_new_tokens=min(sampling.max_new_tokens, max_tokens - c.after_prompt))
-            for c in active
-        ]
-        for conv, completion in zip(active, engine.generate(requests, sampling)):
-            conv.append(list(completion.tokens), list(completion.logprobs))
-            conv.version = completion.version if conv.version < 0 else min(conv.version, completion.version)
-            conv.turns += 1
-            if completion.finish_reason == "length" and conv.after_prompt >= max_tokens:
-                conv.done = conv.truncated = True
-                stats.truncated_by_tokens += 1
-            else:
-                conv.last = completion
+        _model_turn(engine, active, step, sampling, max_tokens, stats)
         asking = [c for c in active if not c.done]
         arguments = [(c.state, turn, tokenizer.decode(c.last.tokens), list(c.last.tokens)) for c in asking]
         for conv, (outcome, seconds) in zip(asking, calls.run(env.step, arguments)):
