@@ -116,11 +116,11 @@ class Talkative:
 def test_turn_and_token_budgets_end_episodes_marked_truncated(model):
     _, _, batch, env_rewards, stats = _rollout(model, Talkative(), max_new=4, max_tokens=64)
     assert stats.turns == [3] * 12 and stats.truncated_by_turns == 12
-    assert batch.truncated.all() and batch.env_rewards.isnan().all()
+    assert batch.truncated.all() and batch.turn_limited.all() and batch.env_rewards.isnan().all()
     # 3 model turns, the environment's 5 tokens after the first two only
     assert (batch.completion_lens - batch.sampled_lens).tolist() == [10] * 12
     _, _, batch, _, stats = _rollout(model, Talkative(), max_new=4, max_tokens=12)
-    assert stats.truncated_by_tokens == 12 and (batch.completion_lens <= 12).all()
+    assert stats.truncated_by_tokens == 12 and (batch.completion_lens <= 12).all() and not batch.turn_limited.any()
     # a first turn that runs into the token budget: the episode still carries its policy version
     _, _, batch, _, stats = _rollout(model, Talkative(), max_new=4, max_tokens=3)
     assert stats.truncated_by_tokens == 12 and stats.turns == [1] * 12

@@ -41,4 +41,5 @@ def multi_turn_metrics(episodes: EpisodeBatch) -> dict[str, float]:
         "env/failed_frac": float(episodes.env_failed.sum()) / n,
         "env/tool_calls_mean": float(episodes.tool_calls.sum()) / n,
         "env/tool_errors_mean": float(episodes.tool_errors.sum()) / n,
+        "env/turn_limited_frac": float(episodes.turn_limited.sum()) / n,
     }

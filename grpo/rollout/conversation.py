@@ -43,6 +43,7 @@ class Conversation:
     turns: int = 0
     done: bool = False
     truncated: bool = False
+    turn_limited: bool = False
     failed: bool = False
     reward: float | None = None
     env_seconds: float = 0.0
@@ -104,7 +105,7 @@ def _hear(env: Environment, conv: Conversation, reply: EnvReply, tokenizer: Toke
         return
     heard = reply.tokens if reply.tokens is not None else tokenizer.encode(reply.text)
     if conv.turns >= env.max_turns:
-        conv.done = conv.truncated = True
+        conv.done = conv.truncated = conv.turn_limited = True
         stats.truncated_by_turns += 1
     elif conv.after_prompt + len(heard) >= max_tokens:
         conv.done = conv.truncated = True
@@ -214,4 +215,5 @@ def _episodes(convs: list[Conversation], pad_id: int) -> EpisodeBatch:
         env_seconds=torch.tensor([c.env_seconds for c in convs], dtype=torch.float32),
         tool_calls=torch.tensor([c.tool_calls for c in convs], dtype=torch.long),
         tool_errors=torch.tensor([c.tool_errors for c in convs], dtype=torch.long),
+        turn_limited=torch.tensor([c.turn_limited for c in convs], dtype=torch.bool),
     )

@@ -40,7 +40,8 @@ class EpisodeBatch:
     for every single-turn episode); the `env_reward` reward function reads it;
     env_failed [N] bool: the environment raised, hung or answered wrongly (rewards.on_error = "zero"
     ends such an episode there); env_seconds [N] fp32: time in the environment's calls;
-    tool_calls, tool_errors [N] int64: tool calls the environment answered, and those that failed.
+    tool_calls, tool_errors [N] int64: tool calls the environment answered, and those that failed;
+    turn_limited [N] bool: truncated by the turn budget (env.max_turns) rather than a token budget.
     """
 
     tokens: torch.Tensor
@@ -59,6 +60,7 @@ class EpisodeBatch:
     env_seconds: torch.Tensor | None = None
     tool_calls: torch.Tensor | None = None
     tool_errors: torch.Tensor | None = None
+    turn_limited: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         n = self.tokens.shape[0]
@@ -74,6 +76,8 @@ class EpisodeBatch:
             self.tool_calls = torch.zeros(n, dtype=torch.long)
         if self.tool_errors is None:
             self.tool_errors = torch.zeros(n, dtype=torch.long)
+        if self.turn_limited is None:
+            self.turn_limited = torch.zeros(n, dtype=torch.bool)
 
     def __len__(self) -> int:
         return self.tokens.shape[0]

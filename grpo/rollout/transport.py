@@ -24,7 +24,7 @@ from grpo.rollout.episode import EpisodeBatch, concat_episodes
 # Per-episode header columns in the int64 message, before the token ids and the loss mask.
 _HEADER = (
     "prompt_lens", "completion_lens", "truncated", "version", "prompt_index", "sample_index", "env_failed", "tool_calls",
-    "tool_errors",
+    "tool_errors", "turn_limited",
 )
 # Per-episode columns in the fp32 message, before the generator log-probs.
 _FLOAT_HEADER = ("env_rewards", "env_seconds")
@@ -73,7 +73,8 @@ def _decode(ints: torch.Tensor, floats: torch.Tensor) -> EpisodeBatch:
     fields = {name: ints[:, i] for i, name in enumerate(_HEADER)}
     fields |= {name: floats[:, i] for i, name in enumerate(_FLOAT_HEADER)}
     fields["truncated"] = fields["truncated"].bool()
-    fields["env_failed"] = fields["env_failed"].bool()
+    for name in ("env_failed", "turn_limited"):
+        fields[name] = fields[name].bool()
     body = ints[:, len(_HEADER) :]
     return EpisodeBatch(
         tokens=body[:, :width],
