@@ -39,6 +39,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# Ranks reach the rendezvous at different times (imports, a slow node, a busy host): waiting for all
+# of them is bounded by this, not by parallelism.collective_timeout_s, which is meant for ranks
+# that are running.
+START_UP_TIMEOUT_S = 600.0
+
+
 def _rendezvous_store(timeout: timedelta) -> dist.Store:
     """The store the ranks meet in, with a prefix per torchrun attempt.
 
@@ -65,12 +71,12 @@ def init_distributed(cfg: Config) -> torch.device:
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     timeout = timedelta(seconds=cfg.parallelism.collective_timeout_s)
-    group = dict(
-        store=_rendezvous_store(timeout),
-        rank=int(os.environ["RANK"]),
-        world_size=int(os.environ["WORLD_SIZE"]),
-        timeout=timeout,
-    )
+    store = _rendezvous_store(max(timeout, timedelta(seconds=START_UP_TIMEOUT_S)))
+    world = int(os.environ["WORLD_SIZE"])
+    if store.add("arrived", 1) == world:
+        store.set("everyone", "1")
+    store.wait(["everyone"])
+    group = dict(store=store, rank=int(os.environ["RANK"]), world_size=world, timeout=timeout)
     use_cuda = cfg.job.device == "cuda" or (cfg.job.device == "auto" and torch.cuda.is_available())
     if use_cuda:
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))

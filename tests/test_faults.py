@@ -61,16 +61,17 @@ def test_nan_reward_stops_the_launch_naming_the_function(tmp_path):
 
 
 def test_a_stalled_rank_is_named_by_the_rank_waiting_for_it(tmp_path):
-    """The trainer spends 8 s in a reward call; the generator, waiting for the step's rewards with a
-    2 s collective timeout, stops and says whom it waited on."""
+    """The trainer spends 60 s in a reward call; the generator, waiting for the step's rewards with a
+    10 s collective timeout (long enough for the ranks' start-up to differ on a busy host), stops and
+    says whom it waited on."""
     result = launch(
-        [*SHORT, "--parallelism.mode=split", f'--rewards.functions=["{FIXTURES}:slow"]', "--rewards.timeout_s=60",
-         "--parallelism.collective_timeout_s=2", f"--job.output_dir={tmp_path}"],
+        [*SHORT, "--parallelism.mode=split", f'--rewards.functions=["{FIXTURES}:slow"]', "--rewards.timeout_s=120",
+         "--parallelism.collective_timeout_s=10", f"--job.output_dir={tmp_path}"],
         nproc=2,
     )
     assert result.returncode != 0
     assert (
-        "error: generator rank 0 waited more than 2 s for the rewards of trainer ranks [1] "
+        "error: generator rank 0 waited more than 10 s for the rewards of trainer ranks [1] "
         "(parallelism.collective_timeout_s); that rank is stalled or gone"
     ) in result.stderr
 
