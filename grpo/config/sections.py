@@ -271,7 +271,8 @@ class ParallelismConfig:
     generator_tp: int = 1
     # split mode: size of one weight-sync bucket (MiB); no rank holds more than one beyond its own shard
     weight_bucket_mb: int = 256
-    # seconds any collective or transfer may wait for other ranks before the job stops, naming whom it waited on
+    # seconds any collective or transfer may wait for other ranks before the job stops, naming whom it waited on (the
+    # start-up rendezvous waits for every rank at least 600 s)
     collective_timeout_s: float = 600.0
 
 
