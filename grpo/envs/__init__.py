@@ -4,14 +4,13 @@ environment turns is grpo/rollout/conversation.py."""
 
 from __future__ import annotations
 
-import importlib
-import sys
 from typing import Any
 
 from grpo.envs.base import Environment, EnvReply
 from grpo.envs.relay import DigitRelay
 from grpo.envs.tools import Calculator
 from grpo.errors import TandemError
+from grpo.scoring.calls import import_callable
 
 __all__ = ["BUILTIN_ENVIRONMENTS", "EnvReply", "Environment", "EnvironmentLoadError", "make_environment"]
 
@@ -36,7 +35,11 @@ def make_environment(name: str, seed: int, tokenizer: Any, max_turns: int = 0) -
         except ValueError as error:
             raise EnvironmentLoadError(f"env.name = {name!r}: {error}") from None
     else:
-        env = _load_factory(name)()
+        try:
+            factory = import_callable(name)
+        except ValueError as error:
+            raise EnvironmentLoadError(f"env.name = {name!r}: {error}") from None
+        env = factory()
     for attribute in ("name", "max_turns", "reset", "step"):
         if not hasattr(env, attribute):
             raise EnvironmentLoadError(
@@ -45,17 +48,3 @@ def make_environment(name: str, seed: int, tokenizer: Any, max_turns: int = 0) -
     if max_turns:
         env.max_turns = min(env.max_turns, max_turns)
     return env
-
-
-def _load_factory(spec: str):
-    module_name, _, attr = spec.partition(":")
-    if "" not in sys.path and "." not in sys.path:
-        sys.path.append("")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as error:
-        raise EnvironmentLoadError(f"env.name = {spec!r}: importing {module_name!r} failed: {error!r}") from None
-    factory = getattr(module, attr, None)
-    if not callable(factory):
-        raise EnvironmentLoadError(f"env.name = {spec!r}: module {module_name!r} has no callable {attr!r}")
-    return factory

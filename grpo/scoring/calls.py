@@ -43,21 +43,33 @@ def load_reward(spec: str) -> RewardFn:
                 "(or give 'module:function')"
             )
         return REWARDS[spec]
+    try:
+        fn = import_callable(spec)
+    except ValueError as e:
+        raise RewardError(f"reward function {spec!r}: {e}") from e.__cause__
+    _check_signature(spec, fn)
+    return fn
+
+
+def import_callable(spec: str) -> Callable:
+    """The callable a ``"module:name"`` spec names, imported from sys.path with the current
+    directory appended (so that a file in the launch directory works under ``torchrun`` too).
+    Raises ValueError saying what is wrong."""
+    module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
-        raise RewardError(f"reward function {spec!r}: expected 'module:function'")
+        raise ValueError("expected 'module:function'")
     if os.getcwd() not in sys.path:
         sys.path.append(os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except Exception as e:
         detail = str(e) if isinstance(e, ImportError) else f"{type(e).__name__}: {e}"
-        raise RewardError(f"reward function {spec!r}: cannot import module {module_name!r} ({detail})") from e
+        raise ValueError(f"cannot import module {module_name!r} ({detail})") from e
     if not hasattr(module, attr):
-        raise RewardError(f"reward function {spec!r}: module {module_name!r} has no attribute {attr!r}")
+        raise ValueError(f"module {module_name!r} has no attribute {attr!r}")
     fn = getattr(module, attr)
     if not callable(fn):
-        raise RewardError(f"reward function {spec!r}: {attr!r} is not callable ({type(fn).__name__})")
-    _check_signature(spec, fn)
+        raise ValueError(f"{attr!r} is not callable ({type(fn).__name__})")
     return fn
 
 
