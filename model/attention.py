@@ -173,6 +173,29 @@ def varlen_prefill(
     return _by_length(q, k, v, cu_seqlens.tolist())
 
 
+def suffix_prefill(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int, max_k: int
+) -> torch.Tensor:
+    """The last tokens of sequences against the whole sequences: q [Nq, H, D], k/v [Nk, Hkv, D],
+    both packed -> [Nq, H, D].
+
+    cu_q / cu_k [P + 1] int32: sequence p's queries are q[cu_q[p]:cu_q[p + 1]], its keys
+    k[cu_k[p]:cu_k[p + 1]]; its queries are its last tokens, so query j attends to the keys up to
+    position (keys - queries + j): causal, aligned at the end (as flash attention aligns it).
+    """
+    if uses_flash(q):
+        return _flash(q, k, v, cu_q, cu_k, max_q, max_k, True)
+    out = torch.empty_like(q)
+    for qa, qb, ka, kb in zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), cu_k[:-1].tolist(), cu_k[1:].tolist()):
+        n_q, n_k = qb - qa, kb - ka
+        visible = torch.arange(n_k, device=q.device)[None, :] <= torch.arange(n_k - n_q, n_k, device=q.device)[:, None]
+        out[qa:qb] = F.scaled_dot_product_attention(
+            q[qa:qb].transpose(0, 1), k[ka:kb].transpose(0, 1), v[ka:kb].transpose(0, 1), attn_mask=visible,
+            enable_gqa=q.shape[1] != k.shape[1],
+        ).transpose(0, 1)
+    return out
+
+
 def slot_decode(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor
 ) -> torch.Tensor:

@@ -200,6 +200,9 @@ def test_env_settings_are_checked_before_the_launch():
         assert error("--env.name=digit_relay", override).startswith(key)
     assert error("--env.name=digit_relay", "--training.micro_batch_tokens=20").endswith(
         "must hold the longest episode: data.max_prompt_tokens + env.max_tokens = 544")
+    kept = error("--env.name=digit_relay", "--env.keep_kv=false", "--generation.engine=vllm")
+    assert kept.startswith("env.keep_kv = false must be true with generation.engine = \"vllm\"")
+    assert not load("--env.name=digit_relay", "--env.keep_kv=false").env.keep_kv
     cfg = load("--env.name=mypackage.envs:make", '--rewards.functions=["env_reward"]')
     assert cfg.max_episode_tokens == cfg.env.max_tokens
 

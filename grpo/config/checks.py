@@ -201,6 +201,9 @@ def _check_env(cfg: Config) -> None:
     _require(e.max_turns >= 0, "env.max_turns", e.max_turns, "must be >= 0 (0 = the environment's own)")
     _require(e.timeout_s > 0, "env.timeout_s", e.timeout_s, "must be > 0")
     _require(e.workers >= 1, "env.workers", e.workers, "must be >= 1")
+    _require(e.keep_kv or cfg.generation.engine != "vllm", "env.keep_kv", e.keep_kv,
+             "must be true with generation.engine = \"vllm\": vLLM's prefix cache keeps a conversation's K/V "
+             "between turns whatever this says")
     _require(cfg.grpo.overlong_buffer == 0, "grpo.overlong_buffer", cfg.grpo.overlong_buffer,
              "must be 0 with env.name: the overlong penalty counts one completion's tokens against "
              "generation.max_new_tokens, and a multi-turn episode holds several turns and the environment's")

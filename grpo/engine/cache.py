@@ -15,8 +15,8 @@ import math
 
 import torch
 
-from model import ModelArgs
-from model.attention import slot_decode, varlen_prefill
+from model import ModelArgs, batch_invariant
+from model.attention import slot_decode, suffix_prefill, varlen_prefill
 
 
 def slot_bytes(args: ModelArgs, max_len: int, dtype: torch.dtype) -> int:
@@ -129,6 +129,37 @@ class SlotCache:
             k_flat.index_copy_(0, write_target, k.index_select(0, write_source))
             v_flat.index_copy_(0, write_target, v.index_select(0, write_source))
             return varlen_prefill(q, k, v, cu_seqlens, max_len)
+
+        return attend
+
+    def append_attention(self, slots: list[int], cached: list[int], appended: list[int]):
+        """attend() for tokens appended to slots that hold K/V already: sequence i's appended[i]
+        tokens (packed in that order) sit at positions cached[i]... of slot slots[i]; they are
+        stored there and attend causally over the slot's keys up to their own.
+
+        With batch-invariant numerics each token runs as a decode row (the trainer's numbers);
+        otherwise each slot's keys are gathered and the appended tokens attend in one varlen call.
+        """
+        dev, L = self.device, self.max_len
+        rows = torch.cat([torch.full((n,), slot) for slot, n in zip(slots, appended)])
+        positions = torch.cat([torch.arange(c, c + n) for c, n in zip(cached, appended)])
+        write_target = (rows * L + positions).to(dev)
+        if batch_invariant.enabled():
+            rows_d, lengths = rows.to(dev), (positions + 1).to(device=dev, dtype=torch.int32)
+        else:
+            keys = [c + n for c, n in zip(cached, appended)]
+            gather = torch.cat([torch.arange(slot * L, slot * L + n) for slot, n in zip(slots, keys)]).to(dev)
+            cu_q = torch.tensor([0] + appended).cumsum(0).to(device=dev, dtype=torch.int32)
+            cu_k = torch.tensor([0] + keys).cumsum(0).to(device=dev, dtype=torch.int32)
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            k_flat, v_flat = self.flat(layer)
+            k_flat.index_copy_(0, write_target, k)
+            v_flat.index_copy_(0, write_target, v)
+            if batch_invariant.enabled():
+                return slot_decode(q, self.k[layer], self.v[layer], rows_d, lengths)
+            return suffix_prefill(q, k_flat.index_select(0, gather), v_flat.index_select(0, gather), cu_q, cu_k,
+                                  max(appended), max(keys))
 
         return attend
 

@@ -7,6 +7,8 @@ same prompt K/V) and its first token sampled; then it joins the decode batch. De
 the device without the host reading anything; every `sync_every` steps, or sooner when the token
 budgets say a refill round (or the end) is nearer, the host collects finished sequences (EOS,
 budget, stop strings), gives their slots to waiting requests, and goes on.
+A conversation's next turn (a request with `keep_kv`) takes back the slot its previous turn left
+and prefills only the tokens appended since (kept.py).
 
 A completion depends only on its key (seed, step, prompt index, sample index) and the weights,
 never on which other requests share its batch (see sampling.py). Out of memory: the engine halves
@@ -27,6 +29,8 @@ import torch.distributed as dist
 from grpo.engine.cache import SlotCache, kv_budget_bytes, slot_bytes, slots_for_budget
 from grpo.engine.collect import finished_completions
 from grpo.engine.decode import DecodeStep
+from grpo.engine.kept import KeptKV, request_key
+from grpo.engine.prefill import prefill_appended, prefill_prompts
 from grpo.engine.sampling import request_keys, sample, vocab_hash
 from grpo.engine.types import (
     Completion,
@@ -110,6 +114,9 @@ class NativeEngine:
             self._compile()
         self.cache: SlotCache | None = None
         self.decoder: DecodeStep | None = None
+        self.kept = KeptKV()
+        # During a poll: key -> (slot, tokens with valid K/V) of the requests that continue a kept slot.
+        self._resume: dict[tuple[int, int, int], tuple[int, int]] = {}
         self._auto_size = max_seq_len is None
         if max_seq_len is not None:
             self._allocate(max_seq_len)
@@ -127,6 +134,7 @@ class NativeEngine:
     def release_cache(self) -> None:
         """Free the KV cache's K/V memory, so that a colocated trainer can use it. The next poll
         brings the same slots back; on CUDA at the same addresses, so the decode graphs stay."""
+        self.kept.clear()
         if self.cache is not None:
             self.cache.release_kv()
 
@@ -139,6 +147,7 @@ class NativeEngine:
         if self.decoder is not None:
             self.decoder.release()
         self.cache = self.decoder = None
+        self.kept.clear()
         per_slot = slot_bytes(self.args, max_seq_len, self.dtype)
         # + 1: the scratch slot
         budget = kv_budget_bytes(per_slot, self.max_batch_size + 1, self.device, self.kv_cache_gb, self.kv_cache_fraction)
@@ -173,6 +182,7 @@ class NativeEngine:
                         f"{list(tensor.shape)}, the engine holds {list(target.shape)}"
                     )
                 target.copy_(tensor)
+        self.kept.clear()  # K/V of the old weights
         self.version = version
 
     def submit(self, requests: Iterable[GenerationRequest], sampling: SamplingParams | None = None) -> None:
@@ -203,6 +213,7 @@ class NativeEngine:
             need = max(len(r.prompt_tokens) + self._budget(r, sp) for r, sp in queued)
             if self.cache is None or need > self.cache.max_len:
                 self._allocate(need)
+        self._resume = self.kept.claim(r for r, _ in queued)
         finished: list[Completion] = []
         start = 0
         while start < len(queued):
@@ -233,9 +244,13 @@ class NativeEngine:
         self._check_fits(requests, sp)
         keys = request_keys(self.seed, requests)
         results: list[Completion | None] = [None] * len(requests)
-        # Longest budget first: a poll ends when its last request does, so long requests must not
-        # be the last to start (equal budgets keep submission order).
-        waiting = deque(sorted(range(len(requests)), key=lambda i: -self._budget(requests[i], sp)))
+        # Requests that continue a kept slot first (they need no free slot); then longest budget
+        # first: a poll ends when its last request does, so long requests must not be the last to
+        # start (equal budgets keep submission order).
+        waiting = deque(sorted(
+            range(len(requests)),
+            key=lambda i: (request_key(requests[i]) not in self._resume, -self._budget(requests[i], sp)),
+        ))
         while waiting:
             try:
                 self._drain(requests, keys, sp, waiting, results)
@@ -269,7 +284,8 @@ class NativeEngine:
     def _drain(self, requests, keys, sp, waiting: deque, results: list) -> None:
         """Admit, decode and collect until every request in `waiting` has a completion."""
         limit = min(self.max_batch_size, self.cache.num_slots)
-        free = list(range(self.cache.num_slots))
+        held = self.kept.slots() | {slot for slot, _ in self._resume.values()}
+        free = [slot for slot in range(self.cache.num_slots) if slot not in held]
         active: dict[int, int] = {}  # slot -> request index
         checked: dict[int, int] = {}  # slot -> completion tokens already checked for stop strings
         # slot -> decode steps until its budget ends (EOS or a stop string may end it sooner)
@@ -305,7 +321,10 @@ class NativeEngine:
             for slot, result in ended.items():
                 results[active.pop(slot)] = result
                 del remaining[slot]
-                free.append(slot)
+                if result.request.keep_kv:
+                    self.kept.keep(result.request, slot, result.tokens)
+                else:
+                    free.append(slot)
             free.sort()
 
     def _steps_to_check(self, remaining: dict[int, int], free: int, round_size: int) -> int:
@@ -320,11 +339,34 @@ class NativeEngine:
         until = ends[needed - 1] if 0 < needed <= len(ends) else ends[-1]
         return max(1, min(self.sync_every, until))
 
+    def _slot_for(self, request: GenerationRequest, free: list[int]) -> tuple[int, int]:
+        """The slot an admitted request takes, and how many of its prompt tokens it holds K/V for:
+        its kept slot, else a free one, else a kept slot given up (the oldest finished
+        conversation's, then a waiting request's own, which will then prefill in full)."""
+        resumed = self._resume.pop(request_key(request), None)
+        if resumed is not None:
+            return resumed
+        if free:
+            return free.pop(0), 0
+        slot = self.kept.evict()
+        if slot is None:
+            slot = self._resume.pop(next(reversed(self._resume)))[0]
+        return slot, 0
+
     def _admit(self, requests, keys, sp, admit: list[int], free: list[int], active: dict, checked: dict) -> None:
-        slots = [free.pop(0) for _ in admit]
+        taken = [self._slot_for(requests[i], free) for i in admit]
         self._in_flight = len(active) + len(admit)
-        self._prefill([requests[i] for i in admit], keys[admit], slots, sp)
-        for slot, i in zip(slots, admit):
+        for appended in (False, True):
+            group = [j for j, (_, cached) in enumerate(taken) if (cached > 0) == appended]
+            if not group:
+                continue
+            batch, slots = [requests[admit[j]] for j in group], [taken[j][0] for j in group]
+            if appended:
+                logits = prefill_appended(self.model, self.cache, batch, slots, [taken[j][1] for j in group])
+            else:
+                logits = prefill_prompts(self.model, self.cache, batch, slots, self.share_prefix)
+            self._start(batch, keys[[admit[j] for j in group]], slots, logits, sp)
+        for (slot, _), i in zip(taken, admit):
             active[slot] = i
             checked[slot] = 0
 
@@ -332,37 +374,18 @@ class NativeEngine:
         self.decoder.run(slots, sp, steps)
 
     @torch.no_grad()
-    def _prefill(self, requests: list[GenerationRequest], keys: torch.Tensor, slots: list[int], sp: SamplingParams) -> None:
-        """Prefill requests into their slots (each distinct prompt once when sharing) and draw
-        their first tokens."""
-        c, L = self.cache, self.cache.max_len
-        prompt_of: dict[tuple[int, ...], int] = {}
-        prompts: list[list[int]] = []
-        owner = []  # per request: index of its prompt in `prompts`
-        for r in requests:
-            key = tuple(r.prompt_tokens) if self.share_prefix else (len(prompts),)
-            if key not in prompt_of:
-                prompt_of[key] = len(prompts)
-                prompts.append(r.prompt_tokens)
-            owner.append(prompt_of[key])
-        lengths = torch.tensor([len(p) for p in prompts])
-        starts = torch.cumsum(lengths, 0) - lengths
-        cu = torch.cat((torch.zeros(1, dtype=torch.int64), torch.cumsum(lengths, 0))).to(torch.int32)
-        positions = torch.cat([torch.arange(n) for n in lengths.tolist()])
-        source = torch.cat([starts[p] + torch.arange(lengths[p]) for p in owner])
-        target = torch.cat([slot * L + torch.arange(lengths[p]) for slot, p in zip(slots, owner)])
-        dev = self.device
-        attend = c.prefill_attention(source.to(dev), target.to(dev), cu.to(dev), int(lengths.max()))
-        tokens = torch.tensor([t for p in prompts for t in p], dtype=torch.int64, device=dev)
-        logits = self.model.decode(tokens, positions.to(dev), attend, logits_index=(starts + lengths - 1).to(dev))
-        owner_t = torch.tensor(owner, device=dev)
-        prompt_lens = lengths[owner].to(dev)
-        keys = keys.to(dev)
-        first, logprob = self._sample(logits[owner_t], keys, prompt_lens, self._token_hash, sp)
+    def _start(
+        self, requests: list[GenerationRequest], keys: torch.Tensor, slots: list[int], logits: torch.Tensor,
+        sp: SamplingParams,
+    ) -> None:
+        """Draw each prefilled request's first token from its logits [R, V] and set its slot's decode state."""
+        c, dev = self.cache, self.device
+        prompt_lens = torch.tensor([len(r.prompt_tokens) for r in requests], device=dev)
+        first, logprob = self._sample(logits, keys.to(dev), prompt_lens, self._token_hash, sp)
         s = torch.tensor(slots, device=dev)
         budget = torch.tensor([self._budget(r, sp) for r in requests], device=dev)
         hit_eos = torch.isin(first, self.eos_ids)
-        c.last_token[s], c.position[s], c.key[s], c.budget[s] = first, prompt_lens, keys, budget
+        c.last_token[s], c.position[s], c.key[s], c.budget[s] = first, prompt_lens, keys.to(dev), budget
         c.generated[s] = 1
         c.out_tokens[s, 0], c.out_logprobs[s, 0] = first, logprob
         c.eos[s], c.done[s] = hit_eos, hit_eos | (budget <= 1)

@@ -39,6 +39,9 @@ class GenerationRequest:
     """One completion to produce. (step, prompt_index, sample_index) keys its randomness.
 
     max_new_tokens: this request's own budget (at most the sampling's); None = the sampling's.
+    keep_kv: the engine may keep this request's K/V when it finishes, for a later request with the
+        same key whose prompt continues this prompt and completion (a conversation's next turn),
+        which then prefills only what it appends. An engine without that ability ignores it.
     """
 
     prompt_tokens: list[int]
@@ -46,6 +49,7 @@ class GenerationRequest:
     prompt_index: int
     sample_index: int
     max_new_tokens: int | None = None
+    keep_kv: bool = False
 
 
 @dataclass

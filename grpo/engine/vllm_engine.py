@@ -135,6 +135,7 @@ class VLLMEngine:
         requests' noise from one generator, faster on the GPU but dependent on the batch.
     cuda_graphs / compile: vLLM's CUDA graphs and its torch.compile of the model (CUDA only; the
         CPU runs eagerly).
+    llm_options: further keyword arguments for `vllm.LLM` (the benches pass a profiler config).
     """
 
     def __init__(
@@ -155,6 +156,7 @@ class VLLMEngine:
         request_seeds: bool = True,
         cuda_graphs: bool = True,
         compile: bool = True,
+        llm_options: dict | None = None,
     ):
         if stop_strings and decode_text is None:
             raise ValueError("stop strings need a decode_text function to read the completion text")
@@ -187,9 +189,11 @@ class VLLMEngine:
                 model=self._folder, skip_tokenizer_init=True, load_format="dummy", dtype=config["torch_dtype"],
                 max_model_len=max_seq_len, max_num_seqs=max_batch_size, seed=seed,
                 logprobs_mode="processed_logprobs", enforce_eager=self.device.type == "cpu" or not cuda_graphs,
+                # A conversation's next turn finds its history's K/V here (and a group its prompt's).
+                enable_prefix_caching=True,
                 compilation_config=None if compile and self.device.type == "cuda" else 0,
                 worker_extension_cls="grpo.engine.vllm_model.TandemWorkerExtension",
-                **memory,
+                **memory, **(llm_options or {}),
             )
         self.llm.collective_rpc("tandem_open_staging", args=(self._staging.handle(),))
         self._plans: dict[tuple, tuple[int, list[torch.Tensor]]] = {}

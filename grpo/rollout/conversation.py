@@ -116,12 +116,12 @@ def _hear(env: Environment, conv: Conversation, reply: EnvReply, tokenizer: Toke
 
 def _model_turn(
     engine: Engine, active: list[Conversation], step: int, sampling: SamplingParams, max_tokens: int,
-    stats: ConversationStats,
+    stats: ConversationStats, keep_kv: bool,
 ) -> None:
     """The next model turn of each active conversation, appended with its log-probs under the mask."""
     requests = [
-        GenerationRequest(c.tokens, step, c.prompt.index, c.sample_index,
-                          max_new_tokens=min(sampling.max_new_tokens, max_tokens - c.after_prompt))
+        GenerationRequest(list(c.tokens), step, c.prompt.index, c.sample_index,
+                          max_new_tokens=min(sampling.max_new_tokens, max_tokens - c.after_prompt), keep_kv=keep_kv)
         for c in active
     ]
     for conv, completion in zip(active, engine.generate(requests, sampling)):
@@ -147,6 +147,7 @@ def generate_conversations(
     max_tokens: int,
     calls: EnvCalls | None = None,
     on_error: str = "stop",
+    keep_kv: bool = True,
 ) -> tuple[EpisodeBatch, ConversationStats]:
     """group_size conversations of each prompt, group by group, as episodes.
 
@@ -154,8 +155,10 @@ def generate_conversations(
     (model and environment together). The environment's calls run through `calls` (time-limited
     threads; default: 8 of them, 60 s a call); a call that raises, times out or answers with
     something else stops the rollout with EnvironmentFailure (on_error "stop") or ends its episode
-    with no reward, marked env_failed ("zero"). Returns the episodes (env_rewards: the
-    environment's reward, NaN where it gave none) and the batch's statistics.
+    with no reward, marked env_failed ("zero"). keep_kv: the engine may keep each conversation's
+    K/V between its turns and prefill only what was appended (GenerationRequest.keep_kv). Returns
+    the episodes (env_rewards: the environment's reward, NaN where it gave none) and the batch's
+    statistics.
     """
     calls = calls or EnvCalls(timeout_s=60.0, workers=8)
     check = functools.partial(_checked, env, timeout_s=calls.timeout_s, on_error=on_error)
@@ -171,7 +174,7 @@ def generate_conversations(
         active = [c for c in convs if not c.done]
         if not active:
             break
-        _model_turn(engine, active, step, sampling, max_tokens, stats)
+        _model_turn(engine, active, step, sampling, max_tokens, stats, keep_kv)
         asking = [c for c in active if not c.done]
         arguments = [(c.state, turn, tokenizer.decode(c.last.tokens), list(c.last.tokens)) for c in asking]
         for conv, (outcome, seconds) in zip(asking, calls.run(env.step, arguments)):

@@ -272,6 +272,7 @@ class Run:
             batch, _ = generate_conversations(
                 self.engine, self.env, mine, group_size, step, self.tokenizer, self.tokenizer.pad_id,
                 sampling or self.engine.sampling, self.cfg.env.max_tokens, self.env_calls, self.cfg.rewards.on_error,
+                self.cfg.env.keep_kv,
             )
         return (batch if roles.reports_episodes else None), time.perf_counter() - start
 
