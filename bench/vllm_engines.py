@@ -15,6 +15,10 @@ its own (a fresh GPU), one after another.
 - vllm: vLLM's own Qwen3 (`load_format="dummy"`), with the sampled tokens' log-probs (as RL needs
   them: `logprobs=0`) and `plain`.
 
+`--profile DIR`: after the timed runs, one more generate call at the largest batch runs under the
+torch profiler (vLLM's own profiler config for the vLLM engines, in their worker); the parent
+prints its kernels' device time per decode step, by kernel, as one JSON line per engine.
+
 Weight sync: the same bf16 weights pushed into the native engine and into the vLLM engine (one
 bucket of every parameter, as a colocated rank does; best of 3), then checked bitwise in vLLM's
 worker through a hash of each parameter's bits.
@@ -23,6 +27,7 @@ worker through a hash of each parameter's bits.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import math
 import os
@@ -80,7 +85,43 @@ def worker_bit_hashes(worker) -> dict[str, list[int]]:
     return {n: bit_hash(p.detach()) for n, p in worker.model_runner.get_model().model.named_parameters()}
 
 
-def run_native(args: ModelArgs, batches: list[int], reps: int) -> list[dict]:
+def profiler_options(folder: str | None) -> dict:
+    """vllm.LLM's profiler config writing torch traces of the worker to `folder` (none: no profiler)."""
+    if not folder:
+        return {}
+    return dict(profiler_config=dict(profiler="torch", torch_profiler_dir=folder, torch_profiler_with_stack=False,
+                                     ignore_frontend=True))
+
+
+def kernel_summary(folder: str, steps: int, top: int = 15) -> dict:
+    """Device time of the kernels in the newest trace under `folder`, per decode step: total and the
+    `top` kernels by time (names cut to 90 characters), in microseconds."""
+    traces = sorted(Path(folder).rglob("*.json*"), key=lambda f: f.stat().st_mtime)
+    if not traces:
+        return dict(error=f"no trace under {folder}")
+    opener = gzip.open if traces[-1].suffix == ".gz" else open
+    with opener(traces[-1], "rt") as f:
+        events = json.load(f)["traceEvents"]
+    totals: dict[str, float] = {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
+            totals[e["name"][:90]] = totals.get(e["name"][:90], 0.0) + e.get("dur", 0.0)
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1])[:top]
+    return dict(device_us_per_step=round(sum(totals.values()) / steps, 1),
+                top_us_per_step=[[name, round(us / steps, 1)] for name, us in ranked])
+
+
+def profile_native(engine: NativeEngine, reqs: list, folder: str) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        engine.generate(reqs)
+        torch.cuda.synchronize()
+    os.makedirs(folder, exist_ok=True)
+    prof.export_chrome_trace(os.path.join(folder, "native.json"))
+
+
+def run_native(args: ModelArgs, batches: list[int], reps: int, profile_dir: str | None = None) -> list[dict]:
     engine = NativeEngine(args, SamplingParams(max_new_tokens=NEW), eos_ids=[], seed=0, dtype=torch.bfloat16,
                           device="cuda", max_batch_size=max(batches), max_seq_len=PROMPT + NEW)
     bucket = weights(args)
@@ -91,16 +132,19 @@ def run_native(args: ModelArgs, batches: list[int], reps: int) -> list[dict]:
         reqs = [GenerationRequest(p, 0, i, 0) for i, p in enumerate(prompts(batch, VOCAB))]
         seconds, done = time_engine(engine, reqs, torch.device("cuda"), reps)
         out.append(dict(engine="native", batch=batch, tok_s=round(output_tokens(done) / seconds)))
+    if profile_dir:
+        profile_native(engine, reqs, profile_dir)
     out.append(dict(engine="native", sync_s=round(sync_s, 4)))
     return out
 
 
-def run_tandem_vllm(args: ModelArgs, batches: list[int], reps: int) -> list[dict]:
+def run_tandem_vllm(args: ModelArgs, batches: list[int], reps: int, profile_dir: str | None = None) -> list[dict]:
     from grpo.engine.vllm_engine import VLLMEngine
 
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # the bitwise check sends a function to the worker
     engine = VLLMEngine(args, SamplingParams(max_new_tokens=NEW), eos_ids=[], seed=0, dtype=torch.bfloat16,
-                        device="cuda", max_seq_len=PROMPT + NEW, max_batch_size=max(batches))
+                        device="cuda", max_seq_len=PROMPT + NEW, max_batch_size=max(batches),
+                        llm_options=profiler_options(profile_dir))
     bucket = weights(args)
     sync_s = time_sync(engine, bucket)
     want = {n: bit_hash(t) for n, _, t in bucket[0]}
@@ -119,6 +163,11 @@ def run_tandem_vllm(args: ModelArgs, batches: list[int], reps: int) -> list[dict
             seconds, done = time_engine(engine, reqs, torch.device("cuda"), reps)
             out.append(dict(engine="tandem_vllm", variant="seeded" if seeded else "unseeded", batch=batch,
                             tok_s=round(output_tokens(done) / seconds)))
+    if profile_dir:
+        engine.request_seeds = True
+        engine.llm.start_profile()
+        engine.generate(reqs)
+        engine.llm.stop_profile()
     out.append(dict(engine="tandem_vllm", sync_s=round(sync_s, 4), sync_bitwise_equal=got == want,
                     rpc_ms_median=round(sorted(rpc)[len(rpc) // 2] * 1e3, 3), staging_mb=engine._staging.numel * 2 / 2**20,
                     outside_gb=round(engine.outside_bytes() / 1e9, 2)))
@@ -126,7 +175,7 @@ def run_tandem_vllm(args: ModelArgs, batches: list[int], reps: int) -> list[dict
     return out
 
 
-def run_vllm(args: ModelArgs, batches: list[int], reps: int) -> list[dict]:
+def run_vllm(args: ModelArgs, batches: list[int], reps: int, profile_dir: str | None = None) -> list[dict]:
     from vllm import LLM
     from vllm import SamplingParams as VLLMSampling
     from vllm.inputs import TokensPrompt
@@ -139,7 +188,7 @@ def run_vllm(args: ModelArgs, batches: list[int], reps: int) -> list[dict]:
     free, total = torch.cuda.mem_get_info()
     llm = LLM(model=folder, skip_tokenizer_init=True, load_format="dummy", dtype="bfloat16", seed=0,
               max_model_len=PROMPT + NEW, max_num_seqs=max(batches), kv_cache_memory_bytes=kv,
-              gpu_memory_utilization=(free - 2**31) / total)
+              gpu_memory_utilization=(free - 2**31) / total, **profiler_options(profile_dir))
     out = []
     for batch in batches:
         batch_prompts = [TokensPrompt(prompt_token_ids=p) for p in prompts(batch, VOCAB)]
@@ -154,6 +203,11 @@ def run_vllm(args: ModelArgs, batches: list[int], reps: int) -> list[dict]:
                 best = min(best, time.perf_counter() - start)
             tokens = sum(len(o.outputs[0].token_ids) for o in done)
             out.append(dict(engine="vllm", variant=variant, batch=batch, tok_s=round(tokens / best)))
+    if profile_dir:  # the RL variant, at the largest batch
+        params = VLLMSampling(temperature=1.0, max_tokens=NEW, min_tokens=NEW, ignore_eos=True, logprobs=0, detokenize=False)
+        llm.start_profile()
+        llm.generate(batch_prompts, params, use_tqdm=False)
+        llm.stop_profile()
     return out
 
 
@@ -162,7 +216,8 @@ RUNNERS = {"native": run_native, "tandem_vllm": run_tandem_vllm, "vllm": run_vll
 
 def child(opts) -> None:
     args = model_args(opts.shape)
-    for record in RUNNERS[opts.engine](args, [int(b) for b in opts.batches.split(",")], opts.reps):
+    folder = os.path.join(os.path.abspath(opts.profile), f"{opts.shape}-{opts.engine}") if opts.profile else None
+    for record in RUNNERS[opts.engine](args, [int(b) for b in opts.batches.split(",")], opts.reps, folder):
         print("RESULT " + json.dumps(record), flush=True)
 
 
@@ -175,6 +230,7 @@ def main() -> None:
     parser.add_argument(
         "--timeout", type=int, default=900, help="seconds per engine process (vLLM starts in 1-3 min: it compiles)"
     )
+    parser.add_argument("--profile", default="", help="folder for one profiled generate call per engine (largest batch)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--shape", help=argparse.SUPPRESS)
     parser.add_argument("--engine", help=argparse.SUPPRESS)
@@ -193,7 +249,7 @@ def main() -> None:
         results: dict[tuple, int] = {}
         for engine in opts.engines.split(","):
             command = [sys.executable, __file__, "--child", "--shape", shape, "--engine", engine,
-                       "--batches", opts.batches, "--reps", str(opts.reps)]
+                       "--batches", opts.batches, "--reps", str(opts.reps), "--profile", opts.profile]
             start = time.perf_counter()
             try:
                 proc = subprocess.run(command, capture_output=True, text=True, timeout=opts.timeout)
@@ -211,6 +267,11 @@ def main() -> None:
                     record["roofline_fraction"] = round(
                         record["tok_s"] / roofline(model_args(shape), record["batch"], PROMPT + NEW / 2, 4.3e12), 3)
                 print(json.dumps(record), flush=True)
+            if opts.profile:
+                folder = os.path.join(os.path.abspath(opts.profile), f"{shape}-{engine}")
+                summary = kernel_summary(folder, NEW)
+                print(json.dumps(dict(base, shape=shape, engine=engine, profile_batch=max(map(int, opts.batches.split(","))),
+                                      **summary)), flush=True)
         for batch in (int(b) for b in opts.batches.split(",")):
             vllm_rl = results.get(("vllm", "logprobs", batch))
             ratios = {}
