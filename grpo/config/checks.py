@@ -195,8 +195,8 @@ def _check_env(cfg: Config) -> None:
         builtins = ", ".join(repr(name) for name in BUILTIN_ENVIRONMENTS)
         hint = _did_you_mean(e.name, list(BUILTIN_ENVIRONMENTS)) or f" (built-ins: {builtins}, or \"module:factory\")"
         raise ConfigError(f"env.name = {_toml_value(e.name)} is not a built-in environment{hint}")
-    _require(e.name != "calculator" or bool(cfg.model.path), "env.name", e.name,
-             "needs model.path: tool calls are written in a checkpoint's chat template")
+    _require(e.name not in ("calculator", "verifiers", "skyrl_gym") or bool(cfg.model.path), "env.name", e.name,
+             "needs model.path: tool calls and environment messages are written in a checkpoint's chat template")
     _require(e.max_tokens >= 1, "env.max_tokens", e.max_tokens, "must be >= 1")
     _require(e.max_turns >= 0, "env.max_turns", e.max_turns, "must be >= 0 (0 = the environment's own)")
     _require(e.timeout_s > 0, "env.timeout_s", e.timeout_s, "must be > 0")

@@ -225,7 +225,7 @@ class EnvConfig:
     timeout_s: float = 60.0
     # threads per generator rank running environment calls side by side
     workers: int = 8
-    # keyword arguments for env.name's factory ("module:factory" or an adapter), e.g. {env_id = "wordle"}
+    # keyword arguments for env.name's factory ("module:factory" or an adapter), e.g. {taskset = {id = "my_tasks"}}
     args: dict = field(default_factory=dict)
     # keep each conversation's K/V in the engine between its turns and prefill only the appended tokens (false: the
     # whole history is prefilled again every turn)

@@ -82,6 +82,9 @@ class EnvCalls:
                 if call.outcome is None:
                     call.outcome, call.seconds = outcome, time.monotonic() - call.started
                 self._changed.notify_all()
+            # An idle worker must not keep its last call's arguments and result (an episode's
+            # state) alive: an environment may free an episode's resources when its state goes.
+            del call, outcome
 
 
 def _sync(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -113,7 +113,7 @@ class Run:
         self.engine = self._build_engine() if roles.is_generator else None
         self.env = None
         if roles.is_generator and cfg.env.name:
-            self.env = make_environment(cfg.env.name, cfg.job.seed, self.tokenizer, cfg.env.max_turns)
+            self.env = make_environment(cfg.env.name, cfg.job.seed, self.tokenizer, cfg.env.max_turns, cfg.env.args)
             self.env_calls = EnvCalls(cfg.env.timeout_s, cfg.env.workers)
         self.weight_bytes = sum(math.prod(s) for s in shapes.values()) * torch.empty((), dtype=self.dtype).element_size()
         self.weight_sync = self._build_weight_sync(shapes) if roles.split else None
