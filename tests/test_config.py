@@ -200,6 +200,7 @@ def test_env_settings_are_checked_before_the_launch():
         assert error("--env.name=digit_relay", override).startswith(key)
     assert error("--env.name=digit_relay", "--training.micro_batch_tokens=20").endswith(
         "must hold the longest episode: data.max_prompt_tokens + env.max_tokens = 544")
+    assert error("--data.response_prefix=<tool_call>").startswith('data.response_prefix = "<tool_call>" needs data.path')
     kept = error("--env.name=digit_relay", "--env.keep_kv=false", "--generation.engine=vllm")
     assert kept.startswith("env.keep_kv = false must be true with generation.engine = \"vllm\"")
     assert not load("--env.name=digit_relay", "--env.keep_kv=false").env.keep_kv

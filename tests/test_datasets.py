@@ -91,6 +91,17 @@ def test_render_prompt_thinking_template_and_raw(tok):
     assert tok.decode(render_prompt(question, tok, use_chat_template=False)) == question
 
 
+def test_response_prefix_opens_the_answer_in_every_layout(tok):
+    question, opening = "What is 6 * 7?", '<tool_call>{"name": "calculator"'
+    opening_ids = tok.hf.encode(opening, add_special_tokens=False)
+    for layout in (dict(), dict(template="Question: {prompt}\nAnswer:"), dict(use_chat_template=False)):
+        plain = render_prompt(question, tok, **layout)
+        assert render_prompt(question, tok, response_prefix=opening, **layout) == plain + opening_ids
+    dataset = PromptDataset([{"text": question, "answer": "42"}], tok, max_prompt_tokens=256, response_prefix=opening)
+    assert dataset.prompts[0].response_prefix == opening
+    assert tok.decode(dataset.prompts[0].token_ids, skip_special_tokens=False).endswith("assistant\n" + opening)
+
+
 # --- records -------------------------------------------------------------------------------------
 
 

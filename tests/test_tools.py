@@ -94,6 +94,24 @@ def test_a_tool_conversation_is_token_exact_and_its_last_turn_is_scored(tokenize
     assert torch.equal(batch.rewards, torch.ones(2))
 
 
+def test_a_call_opened_by_the_response_prefix_is_heard_whole(tokenizer):
+    """data.response_prefix puts the opening of the call in the prompt; the environment reads the
+    first turn as that opening plus what the model wrote."""
+    opening = '<tool_call>{"name": "calculator", "arguments": {"expression": "'
+    rest = CALL[len(opening):]
+    assert CALL.startswith(opening)
+    prompt_ids = tokenizer.encode("<|im_start|>user\nWhat is 12 times 7?<|im_end|>\n<|im_start|>assistant\n" + opening)
+    prompt = Prompt(0, "What is 12 times 7?", "84", prompt_ids, response_prefix=opening)
+    engine = Scripted(tokenizer)
+    engine.turns[0] = tokenizer.encode(rest) + [tokenizer.eos_ids[-1]]
+    batch, stats = generate_conversations(engine, Calculator(tokenizer), [prompt], 1, 1, tokenizer, tokenizer.pad_id,
+                                          SamplingParams(max_new_tokens=64), max_tokens=200)
+    assert stats.turns == [2] and batch.tool_calls.tolist() == [1] and batch.tool_errors.tolist() == [0]
+    heard = tokenizer.encode("\n<|im_start|>tool\n84<|im_end|>\n<|im_start|>assistant\n")
+    assert batch.tokens[0, : len(prompt_ids) + len(engine.turns[0]) + len(heard)].tolist() == (
+        prompt_ids + engine.turns[0] + heard)
+
+
 def test_the_calculator_needs_a_chat_template():
     with pytest.raises(EnvironmentLoadError, match="env.name = 'calculator': the calculator environment needs a "
                                                    "checkpoint's tokenizer"):

@@ -96,6 +96,8 @@ def _check_data(cfg: Config) -> None:
     _require(d.digits_min >= 1, "data.digits_min", d.digits_min, "must be >= 1")
     digits_why = f"must not exceed data.digits_max = {d.digits_max}"
     _require(d.digits_min <= d.digits_max, "data.digits_min", d.digits_min, digits_why)
+    _require(not d.response_prefix or bool(d.path), "data.response_prefix", d.response_prefix,
+             "needs data.path: the built-in task's prompts are not rendered from text")
 
 
 def _check_generation(cfg: Config) -> None:

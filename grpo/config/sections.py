@@ -99,6 +99,9 @@ class DataConfig:
     answer_field: str = "answer"
     # system message put before each prompt ("" = none)
     system_prompt: str = ""
+    # text the model's answer starts with, appended to each prompt after the generation prompt (no loss; the completion
+    # continues it), e.g. the opening of a tool call; needs data.path
+    response_prefix: str = ""
     # prompt layout with a {prompt} placeholder (and {system}); "" = the tokenizer's chat template
     prompt_template: str = ""
     # chat templates with a thinking switch (Qwen3): "default" leaves it alone, "on" / "off" set it

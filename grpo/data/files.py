@@ -137,8 +137,10 @@ def render_prompt(
     template: str = "",
     use_chat_template: bool = True,
     enable_thinking: bool | None = None,
+    response_prefix: str = "",
 ) -> list[int]:
-    """Prompt token ids of one record.
+    """Prompt token ids of one record, then those of `response_prefix` (encoded on its own, without
+    special tokens), the text the model's answer starts with.
 
     - `template` set: `template.format(prompt=record_text, system=system_prompt)` encoded with the
       tokenizer's default special tokens (e.g. a BOS where the tokenizer adds one).
@@ -148,8 +150,9 @@ def render_prompt(
     `tokenizer` is an `HFTokenizer` or a plain Hugging Face tokenizer.
     """
     hf = tokenizer.hf if isinstance(tokenizer, HFTokenizer) else tokenizer
+    opening = _as_ids(hf.encode(response_prefix, add_special_tokens=False)) if response_prefix else []
     if template:
-        return _as_ids(hf.encode(template.format(prompt=record_text, system=system_prompt)))
+        return _as_ids(hf.encode(template.format(prompt=record_text, system=system_prompt))) + opening
     if use_chat_template:
         if not getattr(hf, "chat_template", None):
             raise ValueError("the tokenizer has no chat template; set a prompt template or use_chat_template = false")
@@ -157,9 +160,9 @@ def render_prompt(
             {"role": "user", "content": record_text}
         ]
         kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
-        return _as_ids(hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs))
+        return _as_ids(hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs)) + opening
     text = f"{system_prompt}\n\n{record_text}" if system_prompt else record_text
-    return _as_ids(hf.encode(text))
+    return _as_ids(hf.encode(text)) + opening
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -197,6 +200,7 @@ class PromptDataset:
         template: str = "",
         use_chat_template: bool = True,
         enable_thinking: bool | None = None,
+        response_prefix: str = "",
         too_long: TooLong = "skip",
         seed: int = 0,
         num_held_out: int = 0,
@@ -212,7 +216,7 @@ class PromptDataset:
         self.skipped_indices: list[int] = []
         for index, record in enumerate(records):
             token_ids = render_prompt(
-                record["text"], tokenizer, system_prompt, template, use_chat_template, enable_thinking
+                record["text"], tokenizer, system_prompt, template, use_chat_template, enable_thinking, response_prefix
             )
             if len(token_ids) > max_prompt_tokens:
                 if too_long == "error":
@@ -224,7 +228,7 @@ class PromptDataset:
                 continue
             self.prompts.append(
                 Prompt(index=index, text=record["text"], answer=record["answer"], token_ids=token_ids,
-                       metadata=dict(record.get("metadata", {})))
+                       metadata=dict(record.get("metadata", {})), response_prefix=response_prefix)
             )
         if not self.prompts:
             raise ValueError(f"every one of the {len(records)} prompts is over max_prompt_tokens={max_prompt_tokens}")

@@ -10,13 +10,15 @@ from typing import Protocol
 @dataclass
 class Prompt:
     """One prompt of the dataset: `index` is its stable id (keys sampling randomness); held-out
-    prompts have negative indices."""
+    prompts have negative indices. `token_ids` end with the tokens of `response_prefix`, the text
+    the model's answer starts with (data.response_prefix; part of the prompt, so it carries no loss)."""
 
     index: int
     text: str
     answer: str
     token_ids: list[int]
     metadata: dict = field(default_factory=dict)
+    response_prefix: str = ""
 
 
 class Tokenizer(Protocol):

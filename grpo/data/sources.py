@@ -41,6 +41,7 @@ def _render_options(cfg: Config) -> dict[str, Any]:
     return dict(
         max_prompt_tokens=d.max_prompt_tokens,
         system_prompt=d.system_prompt,
+        response_prefix=d.response_prefix,
         template=d.prompt_template,
         enable_thinking={"default": None, "on": True, "off": False}[d.enable_thinking],
         too_long=d.too_long,

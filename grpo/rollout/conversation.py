@@ -176,7 +176,9 @@ def generate_conversations(
             break
         _model_turn(engine, active, step, sampling, max_tokens, stats, keep_kv)
         asking = [c for c in active if not c.done]
-        arguments = [(c.state, turn, tokenizer.decode(c.last.tokens), list(c.last.tokens)) for c in asking]
+        # The first turn's text includes the answer's opening from the prompt (data.response_prefix).
+        arguments = [(c.state, turn, (c.prompt.response_prefix if turn == 0 else "") + tokenizer.decode(c.last.tokens),
+                      list(c.last.tokens)) for c in asking]
         for conv, (outcome, seconds) in zip(asking, calls.run(env.step, arguments)):
             conv.env_seconds += seconds
             stats.env_seconds += seconds
