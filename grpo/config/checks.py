@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
 from grpo.config.io import _did_you_mean, _toml_value
+from grpo.config.launch_checks import check_bitwise, check_parallelism, check_vllm
+from grpo.config.require import require
 from grpo.config.sections import _CHOICES, AUTO_TIS_CAP, Config, ConfigError
 from grpo.data.gym import check_gym_config, is_gym_path
 from grpo.envs import BUILTIN_ENVIRONMENTS
-
-if TYPE_CHECKING:
-    from model.args import ModelArgs
 
 
 def validate_config(cfg: Config, world_size: int) -> None:
@@ -32,9 +30,9 @@ def validate_config(cfg: Config, world_size: int) -> None:
     _check_eval(cfg)
     _check_checkpoint(cfg)
     _check_metrics(cfg)
-    _check_bitwise(cfg)  # before vLLM's: with vLLM it is a contradiction, whether or not vLLM is installed
-    _check_vllm(cfg)
-    _check_parallelism(cfg, world_size)
+    check_bitwise(cfg)  # before vLLM's: with vLLM it is a contradiction, whether or not vLLM is installed
+    check_vllm(cfg)
+    check_parallelism(cfg, world_size)
 
 
 def _check_choices(cfg: Config) -> None:
@@ -79,12 +77,12 @@ def _check_paths(cfg: Config) -> None:
 def _check_model(cfg: Config) -> None:
     """The built-in shape: positive sizes, heads that split the width into even RoPE pairs."""
     m = cfg.model
-    _require(cfg.data.max_prompt_tokens >= 1, "data.max_prompt_tokens", cfg.data.max_prompt_tokens, "must be >= 1")
+    require(cfg.data.max_prompt_tokens >= 1, "data.max_prompt_tokens", cfg.data.max_prompt_tokens, "must be >= 1")
     for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim"):
-        _require(getattr(m, name) >= 1, f"model.{name}", getattr(m, name), "must be >= 1")
+        require(getattr(m, name) >= 1, f"model.{name}", getattr(m, name), "must be >= 1")
     kv_why = f"must be a multiple of model.n_kv_heads = {m.n_kv_heads}"
-    _require(m.n_heads % m.n_kv_heads == 0, "model.n_heads", m.n_heads, kv_why)
-    _require(m.dim % m.n_heads == 0, "model.dim", m.dim, f"must be a multiple of model.n_heads = {m.n_heads}")
+    require(m.n_heads % m.n_kv_heads == 0, "model.n_heads", m.n_heads, kv_why)
+    require(m.dim % m.n_heads == 0, "model.dim", m.dim, f"must be a multiple of model.n_heads = {m.n_heads}")
     if m.dim // m.n_heads % 2:
         raise ConfigError(f"model.dim / model.n_heads = {m.dim // m.n_heads} must be even (RoPE rotates pairs)")
 
@@ -92,11 +90,11 @@ def _check_model(cfg: Config) -> None:
 def _check_data(cfg: Config) -> None:
     """[data]: batch size and the built-in task's digit range."""
     d = cfg.data
-    _require(d.prompts_per_step >= 1, "data.prompts_per_step", d.prompts_per_step, "must be >= 1")
-    _require(d.digits_min >= 1, "data.digits_min", d.digits_min, "must be >= 1")
+    require(d.prompts_per_step >= 1, "data.prompts_per_step", d.prompts_per_step, "must be >= 1")
+    require(d.digits_min >= 1, "data.digits_min", d.digits_min, "must be >= 1")
     digits_why = f"must not exceed data.digits_max = {d.digits_max}"
-    _require(d.digits_min <= d.digits_max, "data.digits_min", d.digits_min, digits_why)
-    _require(not d.response_prefix or bool(d.path), "data.response_prefix", d.response_prefix,
+    require(d.digits_min <= d.digits_max, "data.digits_min", d.digits_min, digits_why)
+    require(not d.response_prefix or bool(d.path), "data.response_prefix", d.response_prefix,
              "needs data.path: the built-in task's prompts are not rendered from text")
 
 
@@ -104,85 +102,85 @@ def _check_generation(cfg: Config) -> None:
     """[generation]: sampling, lengths and the KV cache budget."""
     d = cfg.data
     g = cfg.generation
-    _require(g.max_new_tokens >= 1, "generation.max_new_tokens", g.max_new_tokens, "must be >= 1")
-    _require(
+    require(g.max_new_tokens >= 1, "generation.max_new_tokens", g.max_new_tokens, "must be >= 1")
+    require(
         bool(d.path) or g.max_new_tokens >= d.digits_max,
         "generation.max_new_tokens",
         g.max_new_tokens,
         f"cannot hold the longest answer of the built-in task (data.digits_max = {d.digits_max})",
     )
-    _require(g.temperature >= 0, "generation.temperature", g.temperature, "must be >= 0 (0 = greedy)")
-    _require(0 < g.top_p <= 1, "generation.top_p", g.top_p, "must be in (0, 1] (1 = off)")
-    _require(g.top_k >= 0, "generation.top_k", g.top_k, "must be >= 0 (0 = off)")
-    _require("" not in g.stop, "generation.stop", g.stop, "must not contain an empty string (it matches at once)")
-    _require(g.max_batch_size >= 1, "generation.max_batch_size", g.max_batch_size, "must be >= 1")
-    _require(
+    require(g.temperature >= 0, "generation.temperature", g.temperature, "must be >= 0 (0 = greedy)")
+    require(0 < g.top_p <= 1, "generation.top_p", g.top_p, "must be in (0, 1] (1 = off)")
+    require(g.top_k >= 0, "generation.top_k", g.top_k, "must be >= 0 (0 = off)")
+    require("" not in g.stop, "generation.stop", g.stop, "must not contain an empty string (it matches at once)")
+    require(g.max_batch_size >= 1, "generation.max_batch_size", g.max_batch_size, "must be >= 1")
+    require(
         g.max_seq_len == 0 or g.max_seq_len > g.max_new_tokens,
         "generation.max_seq_len",
         g.max_seq_len,
         f"must be 0 (derived) or hold a prompt plus generation.max_new_tokens = {g.max_new_tokens}",
     )
-    _require(g.kv_cache_gb >= 0, "generation.kv_cache_gb", g.kv_cache_gb, "must be >= 0 (0 = sized from max_batch_size)")
-    _require(0 < g.kv_cache_fraction <= 1, "generation.kv_cache_fraction", g.kv_cache_fraction, "must be in (0, 1]")
-    _require(g.sync_every >= 1, "generation.sync_every", g.sync_every, "must be >= 1")
+    require(g.kv_cache_gb >= 0, "generation.kv_cache_gb", g.kv_cache_gb, "must be >= 0 (0 = sized from max_batch_size)")
+    require(0 < g.kv_cache_fraction <= 1, "generation.kv_cache_fraction", g.kv_cache_fraction, "must be in (0, 1]")
+    require(g.sync_every >= 1, "generation.sync_every", g.sync_every, "must be >= 1")
 
 
 def _check_grpo(cfg: Config) -> None:
     """[grpo]: group size, clipping, penalties and filtering."""
     p, g = cfg.grpo, cfg.generation
-    _require(
+    require(
         p.group_size >= 2,
         "grpo.group_size",
         p.group_size,
         "must be >= 2 (advantages compare the samples of one prompt with each other)",
     )
-    _require(p.clip_eps_low >= 0, "grpo.clip_eps_low", p.clip_eps_low, "must be >= 0")
-    _require(p.clip_eps_high >= 0, "grpo.clip_eps_high", p.clip_eps_high, "must be >= 0")
-    _require(p.num_iterations >= 1, "grpo.num_iterations", p.num_iterations, "must be >= 1")
-    _require(p.minibatches >= 1, "grpo.minibatches", p.minibatches, "must be >= 1")
-    _require(
+    require(p.clip_eps_low >= 0, "grpo.clip_eps_low", p.clip_eps_low, "must be >= 0")
+    require(p.clip_eps_high >= 0, "grpo.clip_eps_high", p.clip_eps_high, "must be >= 0")
+    require(p.num_iterations >= 1, "grpo.num_iterations", p.num_iterations, "must be >= 1")
+    require(p.minibatches >= 1, "grpo.minibatches", p.minibatches, "must be >= 1")
+    require(
         p.clip_ratio_c == 0 or p.clip_ratio_c > 1, "grpo.clip_ratio_c", p.clip_ratio_c, "must be 0 (off) or > 1"
     )
-    _require(p.gspo_clip_eps_low >= 0, "grpo.gspo_clip_eps_low", p.gspo_clip_eps_low, "must be >= 0")
-    _require(p.gspo_clip_eps_high >= 0, "grpo.gspo_clip_eps_high", p.gspo_clip_eps_high, "must be >= 0")
-    _require(p.kl_coef >= 0, "grpo.kl_coef", p.kl_coef, "must be >= 0")
-    _require(p.tis_cap in (0, AUTO_TIS_CAP) or p.tis_cap >= 1, "grpo.tis_cap", p.tis_cap, "must be 0 (off), -1 (auto) or >= 1")
-    _require(p.overlong_buffer >= 0, "grpo.overlong_buffer", p.overlong_buffer, "must be >= 0 (0 = off)")
-    _require(
+    require(p.gspo_clip_eps_low >= 0, "grpo.gspo_clip_eps_low", p.gspo_clip_eps_low, "must be >= 0")
+    require(p.gspo_clip_eps_high >= 0, "grpo.gspo_clip_eps_high", p.gspo_clip_eps_high, "must be >= 0")
+    require(p.kl_coef >= 0, "grpo.kl_coef", p.kl_coef, "must be >= 0")
+    require(p.tis_cap in (0, AUTO_TIS_CAP) or p.tis_cap >= 1, "grpo.tis_cap", p.tis_cap, "must be 0 (off), -1 (auto) or >= 1")
+    require(p.overlong_buffer >= 0, "grpo.overlong_buffer", p.overlong_buffer, "must be >= 0 (0 = off)")
+    require(
         p.overlong_buffer <= g.max_new_tokens,
         "grpo.overlong_buffer",
         p.overlong_buffer,
         f"must not exceed generation.max_new_tokens = {g.max_new_tokens}",
     )
-    _require(p.overlong_penalty >= 0, "grpo.overlong_penalty", p.overlong_penalty, "must be >= 0")
-    _require(
+    require(p.overlong_penalty >= 0, "grpo.overlong_penalty", p.overlong_penalty, "must be >= 0")
+    require(
         not p.dynamic_sampling or p.filter_zero_variance,
         "grpo.dynamic_sampling",
         p.dynamic_sampling,
         "needs grpo.filter_zero_variance = true (it replaces the groups that filter drops)",
     )
-    _require(
+    require(
         p.dynamic_sampling_max_rounds >= 1,
         "grpo.dynamic_sampling_max_rounds",
         p.dynamic_sampling_max_rounds,
         "must be >= 1",
     )
 
-    _require(p.entropy_coef >= 0, "grpo.entropy_coef", p.entropy_coef, "must be >= 0")
+    require(p.entropy_coef >= 0, "grpo.entropy_coef", p.entropy_coef, "must be >= 0")
 
 
 def _check_rewards(cfg: Config) -> None:
     """[rewards]: at least one function, one weight each, a timeout."""
     r = cfg.rewards
-    _require(len(r.functions) >= 1, "rewards.functions", r.functions, "must name at least one reward function")
-    _require(
+    require(len(r.functions) >= 1, "rewards.functions", r.functions, "must name at least one reward function")
+    require(
         len(r.weights) == len(r.functions),
         "rewards.weights",
         r.weights,
         f"has {len(r.weights)} values but rewards.functions has {len(r.functions)}; give one weight per function",
     )
-    _require(r.timeout_s > 0, "rewards.timeout_s", r.timeout_s, "must be > 0")
-    _require(r.num_workers >= 0, "rewards.num_workers", r.num_workers, "must be >= 0")
+    require(r.timeout_s > 0, "rewards.timeout_s", r.timeout_s, "must be > 0")
+    require(r.num_workers >= 0, "rewards.num_workers", r.num_workers, "must be >= 0")
 
 
 def _check_env(cfg: Config) -> None:
@@ -190,23 +188,23 @@ def _check_env(cfg: Config) -> None:
     e = cfg.env
     uses_env_reward = "env_reward" in cfg.rewards.functions
     if not e.name:
-        _require(not uses_env_reward, "rewards.functions", cfg.rewards.functions,
+        require(not uses_env_reward, "rewards.functions", cfg.rewards.functions,
                  "names env_reward, which reads the reward an environment gives: set env.name")
         return
     if e.name not in BUILTIN_ENVIRONMENTS and ":" not in e.name:
         builtins = ", ".join(repr(name) for name in BUILTIN_ENVIRONMENTS)
         hint = _did_you_mean(e.name, list(BUILTIN_ENVIRONMENTS)) or f" (built-ins: {builtins}, or \"module:factory\")"
         raise ConfigError(f"env.name = {_toml_value(e.name)} is not a built-in environment{hint}")
-    _require(e.name not in ("calculator", "verifiers", "skyrl_gym") or bool(cfg.model.path), "env.name", e.name,
+    require(e.name not in ("calculator", "verifiers", "skyrl_gym") or bool(cfg.model.path), "env.name", e.name,
              "needs model.path: tool calls and environment messages are written in a checkpoint's chat template")
-    _require(e.max_tokens >= 1, "env.max_tokens", e.max_tokens, "must be >= 1")
-    _require(e.max_turns >= 0, "env.max_turns", e.max_turns, "must be >= 0 (0 = the environment's own)")
-    _require(e.timeout_s > 0, "env.timeout_s", e.timeout_s, "must be > 0")
-    _require(e.workers >= 1, "env.workers", e.workers, "must be >= 1")
-    _require(e.keep_kv or cfg.generation.engine != "vllm", "env.keep_kv", e.keep_kv,
+    require(e.max_tokens >= 1, "env.max_tokens", e.max_tokens, "must be >= 1")
+    require(e.max_turns >= 0, "env.max_turns", e.max_turns, "must be >= 0 (0 = the environment's own)")
+    require(e.timeout_s > 0, "env.timeout_s", e.timeout_s, "must be > 0")
+    require(e.workers >= 1, "env.workers", e.workers, "must be >= 1")
+    require(e.keep_kv or cfg.generation.engine != "vllm", "env.keep_kv", e.keep_kv,
              "must be true with generation.engine = \"vllm\": vLLM's prefix cache keeps a conversation's K/V "
              "between turns whatever this says")
-    _require(cfg.grpo.overlong_buffer == 0, "grpo.overlong_buffer", cfg.grpo.overlong_buffer,
+    require(cfg.grpo.overlong_buffer == 0, "grpo.overlong_buffer", cfg.grpo.overlong_buffer,
              "must be 0 with env.name: the overlong penalty counts one completion's tokens against "
              "generation.max_new_tokens, and a multi-turn episode holds several turns and the environment's")
 
@@ -214,31 +212,31 @@ def _check_env(cfg: Config) -> None:
 def _check_optimizer(cfg: Config) -> None:
     """[optimizer]: AdamW's constants and the learning-rate schedule."""
     o = cfg.optimizer
-    _require(o.lr > 0, "optimizer.lr", o.lr, "must be > 0")
+    require(o.lr > 0, "optimizer.lr", o.lr, "must be > 0")
     betas_ok = len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas)
-    _require(betas_ok, "optimizer.betas", o.betas, "must be two values in [0, 1)")
-    _require(o.eps >= 0, "optimizer.eps", o.eps, "must be >= 0")
-    _require(o.weight_decay >= 0, "optimizer.weight_decay", o.weight_decay, "must be >= 0")
-    _require(o.warmup_steps >= 0, "optimizer.warmup_steps", o.warmup_steps, "must be >= 0")
-    _require(0 <= o.min_lr_ratio <= 1, "optimizer.min_lr_ratio", o.min_lr_ratio, "must be in [0, 1]")
-    _require(o.max_grad_norm >= 0, "optimizer.max_grad_norm", o.max_grad_norm, "must be >= 0 (0 = off)")
+    require(betas_ok, "optimizer.betas", o.betas, "must be two values in [0, 1)")
+    require(o.eps >= 0, "optimizer.eps", o.eps, "must be >= 0")
+    require(o.weight_decay >= 0, "optimizer.weight_decay", o.weight_decay, "must be >= 0")
+    require(o.warmup_steps >= 0, "optimizer.warmup_steps", o.warmup_steps, "must be >= 0")
+    require(0 <= o.min_lr_ratio <= 1, "optimizer.min_lr_ratio", o.min_lr_ratio, "must be in [0, 1]")
+    require(o.max_grad_norm >= 0, "optimizer.max_grad_norm", o.max_grad_norm, "must be >= 0 (0 = off)")
 
 
 def _check_training(cfg: Config) -> None:
     """[training]: length, micro-batch budget, and what the async schedule cannot do."""
     t, p = cfg.training, cfg.grpo
-    _require(t.steps >= 1, "training.steps", t.steps, "must be >= 1")
+    require(t.steps >= 1, "training.steps", t.steps, "must be >= 1")
     longest = cfg.data.max_prompt_tokens + cfg.max_episode_tokens
     after_prompt = "env.max_tokens" if cfg.env.name else "generation.max_new_tokens"
-    _require(
+    require(
         t.micro_batch_tokens >= longest,
         "training.micro_batch_tokens",
         t.micro_batch_tokens,
         f"must hold the longest episode: data.max_prompt_tokens + {after_prompt} = {longest}",
     )
 
-    _require(t.max_bad_steps >= 1, "training.max_bad_steps", t.max_bad_steps, "must be >= 1")
-    _require(t.max_staleness >= 1, "training.max_staleness", t.max_staleness, "must be >= 1")
+    require(t.max_bad_steps >= 1, "training.max_bad_steps", t.max_bad_steps, "must be >= 1")
+    require(t.max_staleness >= 1, "training.max_staleness", t.max_staleness, "must be >= 1")
     if t.schedule == "async":
         if cfg.parallelism.mode == "colocated":
             raise ConfigError(
@@ -255,18 +253,18 @@ def _check_training(cfg: Config) -> None:
 def _check_eval(cfg: Config) -> None:
     """[eval]: how often and on how many held-out prompts."""
     e = cfg.eval
-    _require(e.every >= 0, "eval.every", e.every, "must be >= 0 (0 = only at step 0 and the end)")
-    _require(e.num_prompts >= 1, "eval.num_prompts", e.num_prompts, "must be >= 1")
-    _require(e.samples >= 1, "eval.samples", e.samples, "must be >= 1 (1 = greedy)")
+    require(e.every >= 0, "eval.every", e.every, "must be >= 0 (0 = only at step 0 and the end)")
+    require(e.num_prompts >= 1, "eval.num_prompts", e.num_prompts, "must be >= 1")
+    require(e.samples >= 1, "eval.samples", e.samples, "must be >= 1 (1 = greedy)")
 
 
 def _check_checkpoint(cfg: Config) -> None:
     """[checkpoint]: periods, retention and what to resume from."""
     c = cfg.checkpoint
-    _require(c.export_hf_every >= 0, "checkpoint.export_hf_every", c.export_hf_every, "must be >= 0 (0 = export only at the end)")
-    _require(c.every >= 0, "checkpoint.every", c.every, "must be >= 0 (0 = only at the end)")
-    _require(c.keep >= 0, "checkpoint.keep", c.keep, "must be >= 0 (0 = keep all)")
-    _require(
+    require(c.export_hf_every >= 0, "checkpoint.export_hf_every", c.export_hf_every, "must be >= 0 (0 = export only at the end)")
+    require(c.every >= 0, "checkpoint.every", c.every, "must be >= 0 (0 = only at the end)")
+    require(c.keep >= 0, "checkpoint.keep", c.keep, "must be >= 0 (0 = keep all)")
+    require(
         c.resume in ("auto", "none") or Path(c.resume).is_dir(),
         "checkpoint.resume",
         c.resume,
@@ -277,9 +275,9 @@ def _check_checkpoint(cfg: Config) -> None:
 def _check_metrics(cfg: Config) -> None:
     """[metrics]: samples and the MFU peak."""
     mt = cfg.metrics
-    _require(mt.samples_every >= 0, "metrics.samples_every", mt.samples_every, "must be >= 0 (0 = never)")
-    _require(mt.samples_prompts >= 1, "metrics.samples_prompts", mt.samples_prompts, "must be >= 1")
-    _require(mt.peak_tflops >= 0, "metrics.peak_tflops", mt.peak_tflops, "must be >= 0 (0 = built-in table)")
+    require(mt.samples_every >= 0, "metrics.samples_every", mt.samples_every, "must be >= 0 (0 = never)")
+    require(mt.samples_prompts >= 1, "metrics.samples_prompts", mt.samples_prompts, "must be >= 1")
+    require(mt.peak_tflops >= 0, "metrics.peak_tflops", mt.peak_tflops, "must be >= 0 (0 = built-in table)")
     for flag, package in (("tensorboard", "tensorboard"), ("wandb", "wandb")):
         if getattr(mt, flag) and importlib.util.find_spec(package) is None:
             raise ConfigError(f"metrics.{flag} = true needs the {package} package: pip install {package}")
@@ -296,142 +294,3 @@ def _check_job(cfg: Config) -> None:
                 'job.device = "cuda" but this machine has no CUDA device (or this torch build has no CUDA); '
                 'use job.device = "cpu" or "auto"'
             )
-
-
-def _check_parallelism(cfg: Config, world_size: int) -> None:
-    """[parallelism]: the rank layout for world_size ranks, and batches that split evenly over it."""
-    prompts, p = cfg.data.prompts_per_step, cfg.grpo
-    par = cfg.parallelism
-    _require(par.weight_bucket_mb >= 1, "parallelism.weight_bucket_mb", par.weight_bucket_mb, "must be >= 1")
-    _require(par.collective_timeout_s > 0, "parallelism.collective_timeout_s", par.collective_timeout_s, "must be > 0")
-    if par.mode == "colocated":
-        if par.generator_tp != 1:
-            raise ConfigError(
-                f"parallelism.generator_tp = {par.generator_tp} needs split roles (parallelism.mode = \"split\"): "
-                "colocated ranks each run a whole engine"
-            )
-        _require_multiple(
-            prompts, world_size, f"world size {world_size}", "colocated mode: every rank generates an equal share"
-        )
-    else:
-        if world_size < 2:
-            raise ConfigError(
-                'parallelism.mode = "split" needs at least 2 ranks '
-                "(launch with torchrun --nproc_per_node=2 or more, or set --parallelism.mode=colocated)"
-            )
-        if par.generator_ranks < 1:
-            raise ConfigError(
-                f"parallelism.generator_ranks = {par.generator_ranks} leaves no generator rank; "
-                f"set it between 1 and {world_size - 1}"
-            )
-        if par.generator_ranks >= world_size:
-            raise ConfigError(
-                f"parallelism.generator_ranks = {par.generator_ranks} leaves no trainer rank with world size "
-                f"{world_size}; set it between 1 and {world_size - 1}"
-            )
-        _check_generator_tp(cfg)
-        engines = par.generator_ranks // par.generator_tp
-        _require_multiple(
-            prompts,
-            engines,
-            f"parallelism.generator_ranks = {par.generator_ranks}"
-            + (f" / generator_tp = {par.generator_tp} = {engines} engines" if par.generator_tp > 1 else ""),
-            "split mode: every engine generates an equal share",
-        )
-    _require(
-        prompts % p.minibatches == 0,
-        "data.prompts_per_step",
-        prompts,
-        f"is not divisible by grpo.minibatches = {p.minibatches} (a minibatch holds whole groups); "
-        f"set --grpo.minibatches to a divisor of {prompts}",
-    )
-
-
-def _check_vllm(cfg: Config) -> None:
-    """The vLLM engine: installed (and usable), a head size it serves, one rank per engine."""
-    g = cfg.generation
-    if g.engine != "vllm":
-        return
-    # Imported here, not at the top: reading a config must not load torch (scripts, SLURM front ends).
-    from grpo.engine.vllm_engine import vllm_problem
-
-    device = _device_type(cfg)
-    problem = vllm_problem(_model_shape(cfg).head_dim, device)
-    if problem:
-        raise ConfigError(f'generation.engine = "vllm" {problem}')
-    if cfg.parallelism.generator_tp != 1:
-        raise ConfigError('generation.engine = "vllm" runs one generator rank per engine (parallelism.generator_tp = 1)')
-
-
-def _check_bitwise(cfg: Config) -> None:
-    """job.bitwise_logprobs: batch-invariant kernels serve the native engine, whole on one rank."""
-    if not cfg.job.bitwise_logprobs:
-        return
-    if cfg.generation.engine != "native":
-        raise ConfigError(
-            'job.bitwise_logprobs = true needs generation.engine = "native": vLLM computes its log-probs '
-            "with kernels of its own"
-        )
-    if cfg.parallelism.generator_tp != 1:
-        raise ConfigError(
-            "job.bitwise_logprobs = true needs parallelism.generator_tp = 1: a tensor-parallel engine sums "
-            "partial products in another order than the trainer's whole matmuls"
-        )
-
-
-def _model_shape(cfg: Config) -> ModelArgs:
-    """The head and width counts of the model the run will build: the checkpoint's, or the built-in
-    shape's (whose heads split model.dim evenly)."""
-    from model.args import ModelArgs
-
-    m = cfg.model
-    if m.path:
-        return ModelArgs.from_hf_dir(m.path)
-    return ModelArgs(dim=m.dim, n_heads=m.n_heads, n_kv_heads=m.n_kv_heads, head_dim=m.dim // m.n_heads,
-                     ffn_dim=m.ffn_dim)
-
-
-def _device_type(cfg: Config) -> str:
-    """"cuda" or "cpu": job.device, with "auto" resolved as train_grpo.py resolves it."""
-    if cfg.job.device != "auto":
-        return cfg.job.device
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _check_generator_tp(cfg: Config) -> None:
-    """A TP group must split the generator ranks into whole engines and the model into equal shards."""
-    par = cfg.parallelism
-    tp = par.generator_tp
-    _require(tp >= 1, "parallelism.generator_tp", tp, "must be >= 1")
-    if par.generator_ranks % tp:
-        raise ConfigError(
-            f"parallelism.generator_tp = {tp} does not divide parallelism.generator_ranks = {par.generator_ranks} "
-            "(each engine takes generator_tp consecutive generator ranks)"
-        )
-    if tp == 1:
-        return
-    from model.parallelize import tensor_parallel_problem
-
-    problem = tensor_parallel_problem(_model_shape(cfg), tp)
-    if problem:
-        raise ConfigError(f"parallelism.generator_tp = {tp} {problem} of the model")
-
-
-def _require(ok: bool, key: str, value: Any, why: str) -> None:
-    if not ok:
-        raise ConfigError(f"{key} = {_toml_value(value)} {why}")
-
-
-def _require_multiple(prompts: int, divisor: int, divisor_desc: str, why: str) -> None:
-    lower = prompts // divisor * divisor
-    examples = " or ".join(str(n) for n in (lower, lower + divisor) if n > 0)
-    _require(
-        prompts % divisor == 0,
-        "data.prompts_per_step",
-        prompts,
-        f"is not divisible by {divisor_desc} ({why}); "
-        f"set --data.prompts_per_step to a multiple of {divisor}, e.g. {examples}",
-    )
-
