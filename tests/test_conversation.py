@@ -87,7 +87,10 @@ def test_episode_tokens_are_the_sampled_tokens_plus_the_environments_bitwise(mod
         assert len(secret) == len(prompt.answer)
         want_reward = (match(TOKENIZER.decode(first.tokens), prompt.answer) + match(TOKENIZER.decode(second.tokens), secret)) / 2
         assert env_rewards[i] == torch.tensor(want_reward, dtype=torch.float32).item()
-    assert batch.version.tolist() == [3] * 12 and not batch.truncated.any()
+    assert batch.version.tolist() == [3] * 12
+    # An episode is truncated where its final answer was cut at the turn budget (max_new).
+    cut = [rec.completions[1][(prompts[i // 3].index, i % 3)].finish_reason == "length" for i in range(12)]
+    assert batch.truncated.tolist() == cut and stats.truncated_by_tokens == sum(cut)
 
 
 def test_generator_logprobs_of_later_turns_are_the_models_over_the_whole_conversation(model):

@@ -112,6 +112,19 @@ def test_a_call_opened_by_the_response_prefix_is_heard_whole(tokenizer):
         prompt_ids + engine.turns[0] + heard)
 
 
+def test_a_final_answer_cut_at_the_turn_budget_marks_the_episode_truncated(tokenizer):
+    prompt_ids = tokenizer.encode("<|im_start|>user\nWhat is 12 times 7?<|im_end|>\n<|im_start|>assistant\n")
+    prompt = Prompt(0, "What is 12 times 7?", "84", prompt_ids)
+    engine = Scripted(tokenizer)
+    cut = tokenizer.encode("The answer is")  # no call, no end of turn: the model ran out of tokens
+    engine.turns = [cut]
+    engine.generate = lambda requests, sampling=None: [Completion(r, list(cut), [-0.5] * len(cut), "length", 1)
+                                                       for r in requests]
+    batch, stats = generate_conversations(engine, Calculator(tokenizer), [prompt], 2, 1, tokenizer, tokenizer.pad_id,
+                                          SamplingParams(max_new_tokens=len(cut)), max_tokens=200)
+    assert stats.turns == [1, 1] and batch.truncated.tolist() == [True, True] and stats.truncated_by_tokens == 2
+
+
 def test_the_calculator_needs_a_chat_template():
     with pytest.raises(EnvironmentLoadError, match="env.name = 'calculator': the calculator environment needs a "
                                                    "checkpoint's tokenizer"):

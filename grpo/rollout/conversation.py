@@ -102,6 +102,9 @@ def _hear(env: Environment, conv: Conversation, reply: EnvReply, tokenizer: Toke
     conv.tool_errors += reply.tool_errors
     if reply.done:
         conv.done, conv.reward = True, reply.reward
+        if conv.last.finish_reason == "length":  # the final turn was cut at generation.max_new_tokens
+            conv.truncated = True
+            stats.truncated_by_tokens += 1
         return
     heard = reply.tokens if reply.tokens is not None else tokenizer.encode(reply.text)
     if conv.turns >= env.max_turns:
