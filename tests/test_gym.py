@@ -38,8 +38,8 @@ class CharCodes:
 
 def _cfg(steps: int = 3, prompts: int = 4, held_out: int = 40, seed: int = 0):
     data = SimpleNamespace(path="reasoning_gym:chain_sum", reasoning_gym=SUMS, prompts_per_step=prompts,
-                           enable_thinking="default", max_prompt_tokens=512, system_prompt="", prompt_template="{prompt}",
-                           too_long="error")
+                           enable_thinking="default", max_prompt_tokens=512, system_prompt="", response_prefix="",
+                           prompt_template="{prompt}", too_long="error")
     return SimpleNamespace(data=data, job=SimpleNamespace(seed=seed), eval=SimpleNamespace(num_prompts=held_out),
                            training=SimpleNamespace(steps=steps))
 
