@@ -95,7 +95,7 @@ def _check_data(cfg: Config) -> None:
     digits_why = f"must not exceed data.digits_max = {d.digits_max}"
     require(d.digits_min <= d.digits_max, "data.digits_min", d.digits_min, digits_why)
     require(not d.response_prefix or bool(d.path), "data.response_prefix", d.response_prefix,
-             "needs data.path: the built-in task's prompts are not rendered from text")
+            "needs data.path: the built-in task's prompts are not rendered from text")
 
 
 def _check_generation(cfg: Config) -> None:
@@ -189,24 +189,24 @@ def _check_env(cfg: Config) -> None:
     uses_env_reward = "env_reward" in cfg.rewards.functions
     if not e.name:
         require(not uses_env_reward, "rewards.functions", cfg.rewards.functions,
-                 "names env_reward, which reads the reward an environment gives: set env.name")
+                "names env_reward, which reads the reward an environment gives: set env.name")
         return
     if e.name not in BUILTIN_ENVIRONMENTS and ":" not in e.name:
         builtins = ", ".join(repr(name) for name in BUILTIN_ENVIRONMENTS)
         hint = _did_you_mean(e.name, list(BUILTIN_ENVIRONMENTS)) or f" (built-ins: {builtins}, or \"module:factory\")"
         raise ConfigError(f"env.name = {_toml_value(e.name)} is not a built-in environment{hint}")
     require(e.name not in ("calculator", "verifiers", "skyrl_gym") or bool(cfg.model.path), "env.name", e.name,
-             "needs model.path: tool calls and environment messages are written in a checkpoint's chat template")
+            "needs model.path: tool calls and environment messages are written in a checkpoint's chat template")
     require(e.max_tokens >= 1, "env.max_tokens", e.max_tokens, "must be >= 1")
     require(e.max_turns >= 0, "env.max_turns", e.max_turns, "must be >= 0 (0 = the environment's own)")
     require(e.timeout_s > 0, "env.timeout_s", e.timeout_s, "must be > 0")
     require(e.workers >= 1, "env.workers", e.workers, "must be >= 1")
     require(e.keep_kv or cfg.generation.engine != "vllm", "env.keep_kv", e.keep_kv,
-             "must be true with generation.engine = \"vllm\": vLLM's prefix cache keeps a conversation's K/V "
-             "between turns whatever this says")
+            "must be true with generation.engine = \"vllm\": vLLM's prefix cache keeps a conversation's K/V "
+            "between turns whatever this says")
     require(cfg.grpo.overlong_buffer == 0, "grpo.overlong_buffer", cfg.grpo.overlong_buffer,
-             "must be 0 with env.name: the overlong penalty counts one completion's tokens against "
-             "generation.max_new_tokens, and a multi-turn episode holds several turns and the environment's")
+            "must be 0 with env.name: the overlong penalty counts one completion's tokens against "
+            "generation.max_new_tokens, and a multi-turn episode holds several turns and the environment's")
 
 
 def _check_optimizer(cfg: Config) -> None:

@@ -69,7 +69,7 @@ def check_vllm(cfg: Config) -> None:
     # Imported here, not at the top: reading a config must not load torch (scripts, SLURM front ends).
     from grpo.engine.vllm_engine import vllm_problem
 
-    device = device_type(cfg)
+    device = _device_type(cfg)
     problem = vllm_problem(_model_shape(cfg).head_dim, device)
     if problem:
         raise ConfigError(f'generation.engine = "vllm" {problem}')
@@ -105,7 +105,7 @@ def _model_shape(cfg: Config) -> ModelArgs:
                      ffn_dim=m.ffn_dim)
 
 
-def device_type(cfg: Config) -> str:
+def _device_type(cfg: Config) -> str:
     """"cuda" or "cpu": job.device, with "auto" resolved as train_grpo.py resolves it."""
     if cfg.job.device != "auto":
         return cfg.job.device
