@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
 import pkgutil
 from collections.abc import Callable
@@ -34,13 +35,19 @@ BUILT_BY: dict[type[TandemError], Callable[[], TandemError]] = {
 ONE_RANK = ["--parallelism.mode=colocated", "--job.device=cpu"]
 
 
+# Environment adapters whose modules import an optional package at the top: module prefix -> package.
+ADAPTER_PACKAGES = {"grpo.envs.adapters.verifiers": "verifiers", "grpo.envs.adapters.skyrl_gym": "skyrl_gym"}
+
+
 def module_names() -> list[str]:
-    """The project's modules, but for the vLLM engine's, which import the optional vllm package."""
+    """The project's modules, but for the vLLM engine's, which import the optional vllm package, and
+    the adapters whose optional package is not installed."""
     names = ["rewards", "train_grpo"]
     for package in (grpo, model):
         names.append(package.__name__)
         names += [info.name for info in pkgutil.walk_packages(package.__path__, f"{package.__name__}.")]
-    return [name for name in names if not name.startswith("grpo.engine.vllm")]
+    missing = [prefix for prefix, package in ADAPTER_PACKAGES.items() if importlib.util.find_spec(package) is None]
+    return [name for name in names if not name.startswith(("grpo.engine.vllm", *missing))]
 
 
 def exception_classes() -> list[type[BaseException]]:
