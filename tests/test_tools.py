@@ -43,6 +43,28 @@ def test_calculator_results_and_failures_are_text():
     assert time.monotonic() - start < 5
 
 
+def test_calculator_children_are_reused_and_a_stuck_one_is_replaced():
+    from grpo.envs import calculator
+
+    memory_mb = 200  # a pool of its own, apart from the other tests' children
+    assert calculate("1+1", memory_mb=memory_mb) == "2"
+    (first,) = calculator._idle[memory_mb]
+    assert calculate("2+2", memory_mb=memory_mb) == "4" and calculator._idle[memory_mb] == [first]
+    assert calculate("9**9**9", timeout_s=0.5, memory_mb=memory_mb) == "error: no result within 0.5 s"
+    assert first.process.poll() is not None and calculator._idle[memory_mb] == []
+    assert calculate("3*3", memory_mb=memory_mb) == "9"
+    assert calculator._idle[memory_mb][0].process.pid != first.process.pid
+
+
+def test_calculator_calls_from_many_threads_get_their_own_results():
+    from concurrent.futures import ThreadPoolExecutor
+
+    expressions = [f"{i} * 1000 + {i}" for i in range(64)]
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(calculate, expressions))
+    assert results == [str(i * 1000 + i) for i in range(64)]
+
+
 def test_parse_tool_call():
     assert parse_tool_call(f"let me compute {CALL}") == ("calculator", {"expression": "12*7"})
     assert parse_tool_call("the answer is 4") is None
