@@ -28,7 +28,7 @@ from torch import nn
 
 from model import batch_invariant
 from model.args import ModelArgs
-from model.attention import SequenceLayout, packed_attention, sequence_layout
+from model.attention import SequenceLayout, packed_attention, sequence_layout, uses_flash
 from model.batch_invariant import head_logits, linear, output_logits, project, tokenwise
 from model.logprob_head import target_logprobs
 
@@ -142,7 +142,13 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.w13 is not None:
-            gate, up = linear(x, self.w13).chunk(2, dim=-1)
+            fused = linear(x, self.w13)
+            if uses_flash(fused) and not batch_invariant.enabled():
+                # Batch-invariant numerics keep the compiled elementwise code that the trainer runs too.
+                from model.swiglu_kernel import silu_mul  # Triton exists only where CUDA does
+
+                return project(self.w2, silu_mul(fused))
+            gate, up = fused.chunk(2, dim=-1)
         else:
             gate, up = project(self.w1, x), project(self.w3, x)
         return project(self.w2, F.silu(gate) * up)

@@ -1,4 +1,4 @@
-"""Checks of the batch-invariant kernels (model/invariant_kernels.py) run on the CPU through
+"""Checks of the batch-invariant kernels (model/invariant_kernels.py) and the sampler's kernel run on the CPU through
 Triton's interpreter; tests/test_invariant_kernels.py runs each in a process of its own with
 TRITON_INTERPRET=1 (it must be set before the kernels are defined).
 
@@ -117,7 +117,43 @@ def check_pipeline(max_batch_size: int, micro_batch_tokens: int, prompts: int) -
     assert gap["logprob_diff/max"] == 0.0 and gap["logprob_diff/exact_frac"] == 1.0, gap
 
 
-CHECKS = {"matmul": check_matmul, "rms_norm": check_rms_norm, "attention": check_attention,
+def check_gumbel_argmax() -> None:
+    """The sampler's kernel (grpo/engine/sampling_kernel.py) draws the reference's tokens: the same
+    hash, noise and first-index argmax, over a vocabulary that is no multiple of its block."""
+    from grpo.engine import sampling
+    from grpo.engine.sampling_kernel import gumbel_argmax
+    from grpo.engine.types import SamplingParams
+
+    g = torch.Generator().manual_seed(3)
+    B, V = 37, 5000
+    logits = torch.randn(B, V, generator=g) * 3
+    keys = torch.randint(0, 2**32, (B,), generator=g)
+    positions = torch.randint(0, 4000, (B,), generator=g)
+    token_hash = sampling.vocab_hash(V, logits.device)
+    row_hash = sampling.combine(keys, positions)
+    for temperature in (1.0, 0.7):
+        want, _ = sampling.sample(logits, keys, positions, token_hash, SamplingParams(max_new_tokens=1, temperature=temperature))
+        got = gumbel_argmax(logits, row_hash, temperature)
+        assert torch.equal(got, want), (temperature, (got != want).nonzero())
+        assert torch.equal(gumbel_argmax(logits[5:6], row_hash[5:6], temperature), got[5:6])
+    # The drawn token is always among the columns that exist, even when the last block's are masked.
+    assert int(gumbel_argmax(torch.full((1, V), -1e30), row_hash[:1], 1.0)) < V
+
+
+def check_silu_mul() -> None:
+    """The engine's SwiGLU kernel (model/swiglu_kernel.py) against plain PyTorch, on a width that is
+    no multiple of its block, with leading dimensions."""
+    from model.swiglu_kernel import silu_mul
+
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(1, 9, 2 * 1500, generator=g) * 4
+    gate, up = x.chunk(2, dim=-1)
+    close(silu_mul(x), F.silu(gate) * up, tol=1e-5)
+    assert silu_mul(x[:, :0]).shape == (1, 0, 1500)
+
+
+CHECKS = {"matmul": check_matmul, "gumbel_argmax": check_gumbel_argmax, "silu_mul": check_silu_mul,
+          "rms_norm": check_rms_norm, "attention": check_attention,
           "gradients": check_gradients,
           # an engine batch of 1 with the whole batch in one training row; the first four prompts
           # (one crosses a key block), since every sequence decodes alone

@@ -1,6 +1,6 @@
-"""The batch-invariant CUDA kernels' logic on the CPU, through Triton's interpreter
-(tests/interpreted_kernels.py has the checks), and a whole demo run on them: with the kernels
-interpreted, the engine's log-probs equal the trainer's at every step.
+"""The CUDA kernels' logic on the CPU, through Triton's interpreter: the batch-invariant ones, the
+sampler's and the SwiGLU one (tests/interpreted_kernels.py has the checks), and a whole demo run on the
+invariant ones: with the kernels interpreted, the engine's log-probs equal the trainer's at every step.
 
 Triton >= 3.9 is needed (its interpreter: earlier releases fail on NumPy 2's scalar conversion);
 the README's test command installs it. On a machine with a GPU these skip: the kernels run for
@@ -38,7 +38,7 @@ def _interpreted_env() -> dict[str, str]:
     return {**launch_env(), "TRITON_INTERPRET": "1"}
 
 
-CHECKS = ["matmul", "rms_norm", "attention", "gradients", "pipeline_batch_1", "pipeline_batch_24"]
+CHECKS = ["matmul", "gumbel_argmax", "silu_mul", "rms_norm", "attention", "gradients", "pipeline_batch_1", "pipeline_batch_24"]
 
 
 @pytest.fixture(scope="module")

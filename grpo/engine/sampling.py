@@ -53,10 +53,15 @@ def sample(
 
     Greedy (temperature 0) reports the log-prob at temperature 1.
     """
-    logits = logits.float()
     if sp.temperature == 0:
         tokens = logits.argmax(-1)
-        return tokens, token_logprobs(logits, tokens, 1.0)
+        return tokens, token_logprobs(logits.float(), tokens, 1.0)
+    if logits.is_cuda and sp.top_k == 0 and sp.top_p >= 1.0:
+        from grpo.engine.sampling_kernel import gumbel_argmax  # Triton exists only where CUDA does
+
+        tokens = gumbel_argmax(logits, combine(keys, positions), sp.temperature)
+        return tokens, token_logprobs(logits, tokens, sp.temperature)
+    logits = logits.float()
     scaled = logits / sp.temperature
     allowed = scaled
     if sp.top_k > 0:
@@ -76,11 +81,11 @@ def sample(
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
-    """log softmax(logits / temperature)[tokens]: logits [B, V] fp32, tokens [B] -> [B] fp32, by
-    the trainer's formula (model/logprob_head.py); with batch-invariant numerics on, by the
-    trainer's own kernel on CUDA, elsewhere on the fixed blocks of rows its head uses, so the two
-    agree bitwise."""
-    if batch_invariant.uses_kernels(logits):
+    """log softmax(logits / temperature)[tokens]: logits [B, V] (fp32, or any float dtype on CUDA),
+    tokens [B] -> [B] fp32, by the trainer's formula (model/logprob_head.py): on CUDA by the
+    trainer's own kernel, which reads each row once; with batch-invariant numerics on the CPU, on
+    the fixed blocks of rows the trainer's head uses, so that the two agree bitwise."""
+    if batch_invariant.uses_kernels(logits) or logits.is_cuda:
         from model.head_kernel import chunk_stats_triton  # the trainer's kernel: one program per row
 
         return chunk_stats_triton(logits.contiguous(), tokens, temperature)[0]
