@@ -117,27 +117,30 @@ def check_pipeline(max_batch_size: int, micro_batch_tokens: int, prompts: int) -
     assert gap["logprob_diff/max"] == 0.0 and gap["logprob_diff/exact_frac"] == 1.0, gap
 
 
-def check_gumbel_argmax() -> None:
-    """The sampler's kernel (grpo/engine/sampling_kernel.py) draws the reference's tokens: the same
-    hash, noise and first-index argmax, over a vocabulary that is no multiple of its block."""
+def check_gumbel_sample() -> None:
+    """The sampler's kernel (grpo/engine/sampling_kernel.py) draws the reference's tokens with its
+    log-probs: the same hash, noise and first-index argmax, over chunks of a vocabulary that is no
+    multiple of the chunk."""
     from grpo.engine import sampling
-    from grpo.engine.sampling_kernel import gumbel_argmax
+    from grpo.engine.sampling_kernel import CHUNK, gumbel_sample
     from grpo.engine.types import SamplingParams
 
     g = torch.Generator().manual_seed(3)
-    B, V = 37, 5000
+    B, V = 37, 2 * CHUNK + 808
     logits = torch.randn(B, V, generator=g) * 3
     keys = torch.randint(0, 2**32, (B,), generator=g)
     positions = torch.randint(0, 4000, (B,), generator=g)
     token_hash = sampling.vocab_hash(V, logits.device)
     row_hash = sampling.combine(keys, positions)
     for temperature in (1.0, 0.7):
-        want, _ = sampling.sample(logits, keys, positions, token_hash, SamplingParams(max_new_tokens=1, temperature=temperature))
-        got = gumbel_argmax(logits, row_hash, temperature)
+        want, want_lp = sampling.sample(logits, keys, positions, token_hash, SamplingParams(1, temperature=temperature))
+        got, got_lp = gumbel_sample(logits, row_hash, temperature)
         assert torch.equal(got, want), (temperature, (got != want).nonzero())
-        assert torch.equal(gumbel_argmax(logits[5:6], row_hash[5:6], temperature), got[5:6])
+        close(got_lp, want_lp, tol=1e-5)
+        alone, _ = gumbel_sample(logits[5:6], row_hash[5:6], temperature)
+        assert torch.equal(alone, got[5:6])
     # The drawn token is always among the columns that exist, even when the last block's are masked.
-    assert int(gumbel_argmax(torch.full((1, V), -1e30), row_hash[:1], 1.0)) < V
+    assert int(gumbel_sample(torch.full((1, V), -1e30), row_hash[:1], 1.0)[0]) < V
 
 
 def check_silu_mul() -> None:
@@ -152,7 +155,7 @@ def check_silu_mul() -> None:
     assert silu_mul(x[:, :0]).shape == (1, 0, 1500)
 
 
-CHECKS = {"matmul": check_matmul, "gumbel_argmax": check_gumbel_argmax, "silu_mul": check_silu_mul,
+CHECKS = {"matmul": check_matmul, "gumbel_sample": check_gumbel_sample, "silu_mul": check_silu_mul,
           "rms_norm": check_rms_norm, "attention": check_attention,
           "gradients": check_gradients,
           # an engine batch of 1 with the whole batch in one training row; the first four prompts

@@ -113,7 +113,10 @@ def test_kept_kv_turn_agrees_with_re_prefilling_in_bf16():
         turns[keep] = e.generate(second)
     same = sum(a.tokens == b.tokens for a, b in zip(turns[True], turns[False]))
     assert same >= 20, f"only {same} of 24 second turns agree"  # bf16 near-ties may flip a few
-    first_logprobs = torch.tensor([[a.logprobs[0], b.logprobs[0]] for a, b in zip(turns[True], turns[False])])
+    # A first token that flipped is another token's log-prob: compare where the two drew the same.
+    first_logprobs = torch.tensor([[a.logprobs[0], b.logprobs[0]] for a, b in zip(turns[True], turns[False])
+                                   if a.tokens[0] == b.tokens[0]])
+    assert len(first_logprobs) >= 20
     torch.testing.assert_close(first_logprobs[:, 0], first_logprobs[:, 1], atol=0.05, rtol=0)
 
 

@@ -38,7 +38,7 @@ def _interpreted_env() -> dict[str, str]:
     return {**launch_env(), "TRITON_INTERPRET": "1"}
 
 
-CHECKS = ["matmul", "gumbel_argmax", "silu_mul", "rms_norm", "attention", "gradients", "pipeline_batch_1", "pipeline_batch_24"]
+CHECKS = ["matmul", "gumbel_sample", "silu_mul", "rms_norm", "attention", "gradients", "pipeline_batch_1", "pipeline_batch_24"]
 
 
 @pytest.fixture(scope="module")

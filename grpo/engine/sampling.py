@@ -4,7 +4,9 @@ The draw is Gumbel-max with noise hashed from (key, position, token id), so no r
 state is shared between requests and batching never changes a sample. Log-probs are
 log softmax(logits / temperature) over the full vocabulary; top-k / top-p only restrict which
 tokens may be drawn. Everything here is device-side tensor code without host synchronisation, so
-it can be captured in a CUDA graph together with the decode step.
+it can be captured in a CUDA graph together with the decode step. On CUDA, without top-k / top-p,
+one Triton kernel (sampling_kernel.py) draws the token and computes its log-prob in one read of
+the logits.
 """
 
 from __future__ import annotations
@@ -57,10 +59,12 @@ def sample(
         tokens = logits.argmax(-1)
         return tokens, token_logprobs(logits.float(), tokens, 1.0)
     if logits.is_cuda and sp.top_k == 0 and sp.top_p >= 1.0:
-        from grpo.engine.sampling_kernel import gumbel_argmax  # Triton exists only where CUDA does
+        from grpo.engine.sampling_kernel import gumbel_sample  # Triton exists only where CUDA does
 
-        tokens = gumbel_argmax(logits, combine(keys, positions), sp.temperature)
-        return tokens, token_logprobs(logits, tokens, sp.temperature)
+        tokens, logprobs = gumbel_sample(logits, combine(keys, positions), sp.temperature)
+        if batch_invariant.enabled():
+            logprobs = token_logprobs(logits, tokens, sp.temperature)  # the trainer's own kernel
+        return tokens, logprobs
     logits = logits.float()
     scaled = logits / sp.temperature
     allowed = scaled

@@ -4,8 +4,10 @@ reference in plain torch).
 Why a kernel of our own: the reference builds the noise as [B, V] int64 tensors (hash, shift,
 multiply, mask) and the compiled code still walks a row several times; at batch 256 on a 152k
 vocabulary it took 1.5 ms of a 14.5 ms decode step on an H200 (bench/RESULTS.md, "Fourth GPU
-session"). Here one program reads its row of logits once, hashes in 32-bit integers, and keeps
-the running best score and its index: the same draw as the reference, in one pass.
+session"). Here the logits are read once: each program takes one chunk of one row, hashes in
+32-bit integers, and keeps the chunk's best noisy score with its column and the chunk's running
+max and sum of exp for the log-normaliser; a few [B, chunks] tensor ops finish the row. Chunks,
+not whole rows, per program: with one program per row a batch of 64 left most of the GPU idle.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_V = 2048
+CHUNK = 4096
+BLOCK = 1024
 
 
 @triton.jit
@@ -26,13 +29,17 @@ def _mix32(x):
 
 
 @triton.jit
-def _gumbel_argmax_kernel(logits, row_stride, row_hash, out_tokens, V, inv_temperature, BLOCK: tl.constexpr):
+def _chunk_kernel(logits, row_stride, row_hash, best_score, best_index, chunk_max, chunk_sum, V, n_chunks,
+                  inv_temperature, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
     base = logits + row * row_stride
     h = tl.load(row_hash + row).to(tl.uint32, bitcast=True)
     best = tl.full((), float("-inf"), tl.float32)
-    best_index = tl.zeros((), tl.int32)
-    for start in tl.range(0, V, BLOCK):
+    best_col = tl.zeros((), tl.int32)
+    running_max = tl.full((), float("-inf"), tl.float32)
+    sum_exp = tl.zeros((), tl.float32)
+    for start in tl.range(chunk * CHUNK, chunk * CHUNK + CHUNK, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         inside = cols < V
         x = tl.load(base + cols, mask=inside, other=float("-inf")).to(tl.float32) * inv_temperature
@@ -41,33 +48,54 @@ def _gumbel_argmax_kernel(logits, row_stride, row_hash, out_tokens, V, inv_tempe
         score = tl.where(inside, x - tl.log(-tl.log(uniform)), float("-inf"))
         block_best = tl.max(score, 0)
         # The first column holding the block's best: ties go to the lowest index, as argmax's do.
-        block_index = tl.min(tl.where(score == block_best, cols, V), 0)
+        block_col = tl.min(tl.where(score == block_best, cols, V), 0)
         better = block_best > best
-        best_index = tl.where(better, block_index, best_index)
+        best_col = tl.where(better, block_col, best_col)
         best = tl.where(better, block_best, best)
-    tl.store(out_tokens + row, best_index.to(tl.int64))
+        new_max = tl.maximum(running_max, tl.max(x, 0))
+        sum_exp = sum_exp * tl.exp(running_max - new_max) + tl.sum(tl.exp(x - new_max), 0)
+        running_max = new_max
+    at = row * n_chunks + chunk
+    tl.store(best_score + at, best)
+    tl.store(best_index + at, best_col)
+    tl.store(chunk_max + at, running_max)
+    tl.store(chunk_sum + at, sum_exp)
 
 
-@torch.library.custom_op("tandem::gumbel_argmax", mutates_args=())
-def _gumbel_argmax(logits: torch.Tensor, row_hash: torch.Tensor, temperature: float) -> torch.Tensor:
-    """_gumbel_argmax_kernel over logits [B, V] and row_hash [B] int32 -> tokens [B] int64."""
+@torch.library.custom_op("tandem::gumbel_chunks", mutates_args=())
+def _gumbel_chunks(logits: torch.Tensor, row_hash: torch.Tensor, temperature: float) -> list[torch.Tensor]:
+    """_chunk_kernel over logits [B, V], row_hash [B] int32 -> per (row, chunk) [B, C]: best noisy
+    score (fp32), its column (int32), max and sum of exp of logits / temperature (fp32)."""
     B, V = logits.shape
-    tokens = torch.empty(B, dtype=torch.int64, device=logits.device)
-    _gumbel_argmax_kernel[(B,)](logits, logits.stride(0), row_hash, tokens, V, 1.0 / temperature,
-                                BLOCK=BLOCK_V, num_warps=8)
-    return tokens
+    n_chunks = triton.cdiv(V, CHUNK)
+    score, chunk_max, chunk_sum = (torch.empty((B, n_chunks), dtype=torch.float32, device=logits.device) for _ in range(3))
+    index = torch.empty((B, n_chunks), dtype=torch.int32, device=logits.device)
+    if B:
+        _chunk_kernel[(B, n_chunks)](logits, logits.stride(0), row_hash, score, index, chunk_max, chunk_sum, V,
+                                     n_chunks, 1.0 / temperature, CHUNK=CHUNK, BLOCK=BLOCK, num_warps=4)
+    return [score, index, chunk_max, chunk_sum]
 
 
-@_gumbel_argmax.register_fake
+@_gumbel_chunks.register_fake
 def _(logits, row_hash, temperature):
-    return logits.new_empty(logits.shape[0], dtype=torch.int64)
+    shape = (logits.shape[0], triton.cdiv(logits.shape[1], CHUNK))
+    fp32 = [logits.new_empty(shape, dtype=torch.float32) for _ in range(3)]
+    return [fp32[0], logits.new_empty(shape, dtype=torch.int32), fp32[1], fp32[2]]
 
 
-def gumbel_argmax(logits: torch.Tensor, row_hash: torch.Tensor, temperature: float) -> torch.Tensor:
-    """argmax(logits / temperature + Gumbel noise(row_hash, token id)): logits [B, V] (row-contiguous,
-    any float dtype), row_hash [B] int64 holding 32-bit values -> tokens [B] int64.
+def gumbel_sample(logits: torch.Tensor, row_hash: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """argmax(logits / temperature + Gumbel noise(row_hash, token id)) and its log-prob under
+    log softmax(logits / temperature): logits [B, V] (row-contiguous, any float dtype), row_hash
+    [B] int64 holding 32-bit values -> tokens [B] int64, logprobs [B] fp32.
 
-    A custom operator, so that the compiled sampler launches it as one opaque call."""
+    The kernel is a custom operator, so that the compiled sampler launches it as one opaque call."""
     assert logits.stride(1) == 1, "logits rows must be contiguous"
     as_int32 = torch.where(row_hash >= 2**31, row_hash - 2**32, row_hash).to(torch.int32)  # the same 32 bits
-    return _gumbel_argmax(logits, as_int32, temperature)
+    score, index, chunk_max, chunk_sum = _gumbel_chunks(logits, as_int32, temperature)
+    # argmax takes the first chunk holding the best score: chunks run in column order, so ties still
+    # go to the lowest column.
+    tokens = index.gather(-1, score.argmax(-1, keepdim=True)).squeeze(-1).long()
+    top = chunk_max.max(-1, keepdim=True).values
+    log_z = top.squeeze(-1) + torch.log((chunk_sum * torch.exp(chunk_max - top)).sum(-1))
+    picked = logits.gather(-1, tokens[:, None]).squeeze(-1).float() * (1.0 / temperature)
+    return tokens, picked - log_z
