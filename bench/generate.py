@@ -40,6 +40,7 @@ from model import ModelArgs  # noqa: E402
 SHAPES = {
     "0.6b": dict(dim=1024, n_layers=28, n_heads=16, n_kv_heads=8, head_dim=128, ffn_dim=3072),
     "1.7b": dict(dim=2048, n_layers=28, n_heads=16, n_kv_heads=8, head_dim=128, ffn_dim=6144),
+    "8b": dict(dim=4096, n_layers=36, n_heads=32, n_kv_heads=8, head_dim=128, ffn_dim=12288, tie_embeddings=False),
     "tiny": dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=128),
 }
 VOCAB = 151936

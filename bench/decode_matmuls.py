@@ -1,0 +1,94 @@
+"""The decode step's matmuls, one by one: as the engine runs them (a [1, M, K] activation through the
+compiled block halves; the head with fp32 output) against a plain 2-D `F.linear` with bf16 output, as
+vLLM runs them, in the same run. One JSON line per (matmul, batch, variant), with the cuBLAS kernel
+it ran and the bandwidth achieved on the weight's bytes.
+
+    python3 bench/decode_matmuls.py [--shape 8b] [--batches 64,256]
+
+Why: at the Qwen3-8B shape, batch 256, the fourth GPU session's profile put 2.4 ms more of matmul
+time in our decode step than in vLLM's, in two kernel tile shapes that only our step ran
+(bench/RESULTS.md). This says which matmul picks them and what the choice costs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.generate import commit  # noqa: E402
+from bench.vllm_engines import SHAPES, VOCAB  # noqa: E402
+
+
+def matmuls(shape: dict) -> dict[str, tuple[int, int]]:
+    """name -> (K, N) of each matmul of one decode step (per layer, and the head)."""
+    dim, heads, kv, hd, ffn = shape["dim"], shape["n_heads"], shape["n_kv_heads"], shape["head_dim"], shape["ffn_dim"]
+    return {"qkv": (dim, (heads + 2 * kv) * hd), "wo": (heads * hd, dim), "w13": (dim, 2 * ffn),
+            "w2": (ffn, dim), "head": (dim, VOCAB)}
+
+
+def variants(name: str) -> dict:
+    """variant -> fn(x [M, K], w [N, K]). `plain` is vLLM's call; the others are the engine's."""
+    compiled = torch.compile(lambda x, w: F.linear(x, w), dynamic=True)
+    out = {"plain": lambda x, w: F.linear(x, w),
+           "as_decode": lambda x, w: compiled(x[None], w)}
+    if name == "head":
+        out["fp32_out"] = lambda x, w: torch.mm(x, w.t(), out_dtype=torch.float32)
+    return out
+
+
+def time_us(fn, reps: int) -> float:
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1000 / reps
+
+
+def kernel_names(fn) -> list[str]:
+    """The CUDA kernels one call launches (a cuBLAS kernel's name carries its tile shape)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sorted({e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shape", default="8b", choices=sorted(SHAPES))
+    parser.add_argument("--batches", default="64,256")
+    parser.add_argument("--reps", type=int, default=100)
+    opts = parser.parse_args()
+    device = torch.device("cuda")
+    shape = SHAPES[opts.shape]
+    base = dict(bench="decode_matmuls", device=torch.cuda.get_device_name(), torch=torch.__version__, commit=commit(),
+                shape=opts.shape)
+    for name, (k, n) in matmuls(shape).items():
+        w = torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02
+        for batch in [int(b) for b in opts.batches.split(",")]:
+            x = torch.randn(batch, k, device=device, dtype=torch.bfloat16)
+            times = {}
+            for variant, fn in variants(name).items():
+                call = lambda: fn(x, w)  # noqa: E731
+                times[variant] = time_us(call, opts.reps)
+                print(json.dumps(dict(base, matmul=name, k=k, n=n, batch=batch, variant=variant,
+                                      us=round(times[variant], 1),
+                                      weight_gbps=round(w.numel() * 2 / times[variant] / 1e3, 1),
+                                      kernels=kernel_names(call))), flush=True)
+            worst = max(times, key=times.get)
+            print(json.dumps(dict(base, matmul=name, batch=batch, slowest=worst,
+                                  slowest_over_plain=round(times[worst] / times["plain"], 3))), flush=True)
+
+
+if __name__ == "__main__":
+    main()
