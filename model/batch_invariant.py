@@ -87,9 +87,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def project(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """layer(x), its hooks included, or the invariant matmul where `uses_kernels(x)`."""
+    """layer(x), its hooks included, or the invariant matmul where `uses_kernels(x)` (on the
+    merged weight of a LoRA layer, model/lora.py, as its forward would)."""
     if uses_kernels(x):
-        return _state["ops"].invariant_linear(x, layer.weight, layer.bias, False)
+        weight = layer.merged_weight() if hasattr(layer, "merged_weight") else layer.weight
+        return _state["ops"].invariant_linear(x, weight, layer.bias, False)
     return layer(x)
 
 

@@ -10,17 +10,22 @@ micro-batch's gradient (compute dtype, summed by autograd) is cast to fp32 and a
 master's gradient, the first one copied. Both the copy and its gradients live in one flat buffer
 each, so a cast or an accumulation is one kernel, and they are freed between steps as FSDP2 frees
 its unsharded parameters.
+
+Frozen parameters (LoRA's base, model/lora.py) are already in the compute dtype: the compute copy
+shares them rather than copying them, and only trainable ones have masters, copies and gradients.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from model.model import Transformer
+from model.parallelize import check_master_dtypes, compile_blocks
 
 # Elements between parameter starts in the flat buffers: 256 bytes in fp32.
 _ALIGN = 64
@@ -41,16 +46,24 @@ class OneRankMixedPrecision:
         compute_dtype: torch.dtype,
         activation_checkpointing: bool = False,
         compile: bool = False,
+        structure: Callable[[Transformer], None] | None = None,
     ):
-        for param in master.parameters():
-            if param.dtype != torch.float32:
-                raise ValueError(f"OneRankMixedPrecision expects fp32 master weights, got {param.dtype}")
+        """structure: what was applied to `master` beyond the plain model (e.g. apply_lora), to
+        apply to the compute copy as well so that both have the same parameter names."""
+        check_master_dtypes(master, compute_dtype)
         self.master = master
         device = next(master.parameters()).device
         with torch.device("meta"):
             self.compute = Transformer(master.args, dtype=compute_dtype)
-        self._masters = [p for _, p in master.named_parameters()]
-        names = [n for n, _ in master.named_parameters()]
+            if structure is not None:
+                structure(self.compute)
+        for name, param in master.named_parameters():
+            if not param.requires_grad:
+                module_name, _, param_name = name.rpartition(".")
+                setattr(self.compute.get_submodule(module_name), param_name, param)
+        trainable = [(n, p) for n, p in master.named_parameters() if p.requires_grad]
+        self._masters = [p for _, p in trainable]
+        names = [n for n, _ in trainable]
         # Each parameter starts on a 256-byte boundary, as a separate allocation would: compiled
         # kernels assume aligned inputs and copy the others.
         self._offsets, total = [], 0
@@ -69,8 +82,6 @@ class OneRankMixedPrecision:
         self._master_grads: torch.Tensor | None = None
         self._fresh = False
         if compile:
-            from model.parallelize import compile_blocks
-
             compile_blocks(self.compute)
         if activation_checkpointing:
             for block in self.compute.layers:

@@ -31,13 +31,12 @@ def parallelize(
     """Shard `model` (fp32 parameters = master weights) over `mesh` with FSDP2.
 
     Parameters are all-gathered in `compute_dtype` for forward and backward; gradients are reduced
-    and kept in fp32, so the optimizer steps fp32 masters. On several ranks each transformer block
+    and kept in fp32, so the optimizer steps fp32 masters. Frozen parameters (LoRA's base,
+    model/lora.py) are already in `compute_dtype` and gathered as they are. On several ranks each transformer block
     is its own FSDP unit (one all-gather per block) and the embeddings, final norm and head form
     the root unit; on one rank the whole model is one unit.
     """
-    for param in model.parameters():
-        if param.dtype != torch.float32:
-            raise ValueError(f"parallelize expects fp32 master weights, got {param.dtype}")
+    check_master_dtypes(model, compute_dtype)
     mp_policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     if compile:
         compile_blocks(model)
@@ -54,6 +53,15 @@ def parallelize(
             fully_shard(block, mesh=mesh, mp_policy=mp_policy)
     fully_shard(model, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=per_block_units)
     return model
+
+
+def check_master_dtypes(model: torch.nn.Module, compute_dtype: torch.dtype) -> None:
+    """Trainable parameters must be fp32 masters, frozen ones already in the compute dtype."""
+    for name, param in model.named_parameters():
+        expected = torch.float32 if param.requires_grad else compute_dtype
+        if param.dtype != expected:
+            kind = "trainable (an fp32 master)" if param.requires_grad else "frozen (kept in the compute dtype)"
+            raise ValueError(f"{name} is {kind} and should be {expected}, got {param.dtype}")
 
 
 # Inductor fuses the two reductions of RMSNorm's backward (over the row, for the input's gradient;
@@ -121,7 +129,17 @@ def tensor_parallel_layout(
 ) -> tuple[tuple[Placement, ...], tuple[int, ...], tuple[int, ...]]:
     """(placements, mesh shape, coordinate) of parameter `name` on rank tp_rank of a TP group:
     where its shard sits in the whole tensor, in DTensor's terms (torch.chunk splits). Replicated
-    K/V heads are a 2-D mesh (K/V heads, ranks sharing one) with the second dimension replicated."""
+    K/V heads are a 2-D mesh (K/V heads, ranks sharing one) with the second dimension replicated.
+    LoRA's adapters (model/lora.py) follow their layer's split: B [out, r] is split as a
+    column-parallel weight's rows, A [r, in] as a row-parallel weight's columns; each is whole
+    otherwise (the product B·A is then the layer's shard of the update)."""
+    module, _, leaf = name.rpartition(".")
+    if leaf in ("lora_A", "lora_B"):
+        placements, mesh_shape, coordinate = tensor_parallel_layout(f"{module}.weight", args, tp, tp_rank)
+        split_dim = 1 if leaf == "lora_A" else 0
+        if not any(isinstance(p, Shard) and p.dim == split_dim for p in placements):
+            return (Replicate(),), (tp,), (tp_rank,)
+        return placements, mesh_shape, coordinate
     if any(key in name for key in _COLUMN_PARALLEL):
         return (Shard(0),), (tp,), (tp_rank,)
     if any(key in name for key in _KV):

@@ -26,6 +26,7 @@ from grpo.config.sections import (
     GenerationConfig,
     GRPOConfig,
     JobConfig,
+    LoRAConfig,
     MetricsConfig,
     ModelConfig,
     OptimizerConfig,
@@ -36,7 +37,8 @@ from grpo.config.sections import (
 
 __all__ = [
     "ASYNC_TIS_CAP", "AUTO_TIS_CAP", "DEFAULT_CONFIG_PATH", "CheckpointConfig", "Config", "ConfigError",
-    "DataConfig", "EnvConfig", "EvalConfig", "GRPOConfig", "GenerationConfig", "JobConfig", "MetricsConfig", "ModelConfig",
+    "DataConfig", "EnvConfig", "EvalConfig", "GRPOConfig", "GenerationConfig", "JobConfig", "LoRAConfig",
+    "MetricsConfig", "ModelConfig",
     "OptimizerConfig", "ParallelismConfig", "RewardsConfig", "TrainingConfig", "config_to_toml", "load_config",
     "validate_config", "write_resolved_config",
 ]

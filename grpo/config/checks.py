@@ -8,6 +8,7 @@ from pathlib import Path
 
 from grpo.config.io import _did_you_mean, _toml_value
 from grpo.config.launch_checks import check_bitwise, check_parallelism, check_vllm
+from grpo.config.lora_checks import check_lora
 from grpo.config.require import require
 from grpo.config.sections import _CHOICES, AUTO_TIS_CAP, Config, ConfigError
 from grpo.data.gym import check_gym_config, is_gym_path
@@ -30,6 +31,7 @@ def validate_config(cfg: Config, world_size: int) -> None:
     _check_eval(cfg)
     _check_checkpoint(cfg)
     _check_metrics(cfg)
+    check_lora(cfg)
     check_bitwise(cfg)  # before vLLM's: with vLLM it is a contradiction, whether or not vLLM is installed
     check_vllm(cfg)
     check_parallelism(cfg, world_size)

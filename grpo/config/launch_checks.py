@@ -101,8 +101,18 @@ def _model_shape(cfg: Config) -> ModelArgs:
     m = cfg.model
     if m.path:
         return ModelArgs.from_hf_dir(m.path)
-    return ModelArgs(dim=m.dim, n_heads=m.n_heads, n_kv_heads=m.n_kv_heads, head_dim=m.dim // m.n_heads,
-                     ffn_dim=m.ffn_dim)
+    return ModelArgs(dim=m.dim, n_layers=m.n_layers, n_heads=m.n_heads, n_kv_heads=m.n_kv_heads,
+                     head_dim=m.dim // m.n_heads, ffn_dim=m.ffn_dim)
+
+
+def model_parameter_names(cfg: Config) -> list[str]:
+    """The parameter names of the model the run will build (a meta model: nothing is allocated)."""
+    import torch
+
+    from model.model import Transformer
+
+    with torch.device("meta"):
+        return [name for name, _ in Transformer(_model_shape(cfg)).named_parameters()]
 
 
 def _device_type(cfg: Config) -> str:

@@ -35,6 +35,8 @@ RewardScaling = Literal["group", "batch", "none"]
 TISLevel = Literal["token", "sequence"]
 TISMode = Literal["truncate", "mask"]
 WandbMode = Literal["", "online", "offline"]
+# lora.targets: the adaptable linear layers (model/lora.py TARGETS maps them to the model's modules)
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 
 
 @dataclass
@@ -236,6 +238,21 @@ class EnvConfig:
 
 
 @dataclass
+class LoRAConfig:
+    # adapter rank r; 0 = off (full fine-tuning). On: the base weights are frozen in the compute dtype, only adapters train
+    rank: int = 0
+    # the adapters' scale is alpha / rank
+    alpha: float = 16.0
+    # dropout on the adapters' input; only 0: the adapters are merged into the weights each forward
+    dropout: float = 0.0
+    # the layers that get adapters, any of "q", "k", "v", "o" (attention) and "gate", "up", "down" (SwiGLU)
+    targets: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
+    # further parameters that stay trainable (fp32 masters), as name patterns, e.g. ["norm.weight", "layers.*.ffn_norm.weight"];
+    # with any, HF exports hold no PEFT adapter/ folder (its format cannot carry them)
+    trainable: list[str] = field(default_factory=list)
+
+
+@dataclass
 class OptimizerConfig:
     # peak AdamW learning rate, reached after warmup_steps
     lr: float = 3e-3
@@ -347,6 +364,8 @@ class Config:
     rewards: RewardsConfig = field(default_factory=RewardsConfig)
     # multi-turn episodes: the environment the model talks to
     env: EnvConfig = field(default_factory=EnvConfig)
+    # low-rank adapters instead of full fine-tuning
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     # AdamW and the learning-rate schedule
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     # run length and micro-batching

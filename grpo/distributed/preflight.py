@@ -100,17 +100,21 @@ def check_free_disk(path: str | Path, needed_bytes: int, what: str = "one checkp
         )
 
 
-def check_checkpoints(cfg: Config, shapes: dict[str, tuple[int, ...]], resume: Path | None) -> None:
-    """Given the model's parameter shapes, before any model is built (and for each checkpoint a
+def check_checkpoints(
+    cfg: Config, shapes: dict[str, tuple[int, ...]], resume: Path | None, trained: dict[str, tuple[int, ...]] | None = None
+) -> None:
+    """Given the model's parameter shapes and those of what trains (default: all; with LoRA the
+    adapters, which are all a checkpoint holds), before any model is built (and for each checkpoint a
     resume falls back to): raise CheckpointMismatch unless checkpoint `resume` (when there is one)
-    holds exactly these shapes, and StartupError unless the disk under job.output_dir has room for
-    what the run will still write from there (`disk_needed`)."""
+    holds exactly the trained shapes, and StartupError unless the disk under job.output_dir has room
+    for what the run will still write from there (`disk_needed`)."""
+    trained = shapes if trained is None else trained
     if resume is not None:
-        check_matches(resume, shapes)
+        check_matches(resume, trained)
     start = saved_step(resume) if resume is not None else 0
     root = checkpoint_root(cfg.job.output_dir)
     on_disk = sum(step_of(path) <= start for path in complete_checkpoints(root))
-    needed, what = disk_needed(cfg, checkpoint_bytes(shapes), export_bytes(shapes), start, on_disk)
+    needed, what = disk_needed(cfg, checkpoint_bytes(trained), export_bytes(shapes), start, on_disk)
     check_free_disk(cfg.job.output_dir, needed, what)
 
 

@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 import torch.distributed as dist
 
+from grpo.engine.adapters import AdapterMerge
 from grpo.engine.cache import SlotCache, kv_budget_bytes, slot_bytes, slots_for_budget
 from grpo.engine.collect import finished_completions
 from grpo.engine.decode import DecodeStep
@@ -43,6 +44,7 @@ from grpo.engine.types import (
 from grpo.engine.vmm import mapped_bytes
 from model import ModelArgs, Transformer
 from model.attention import check_decode_kernel
+from model.lora import LoRASpec
 from model.parallelize import apply_tensor_parallel, compile_blocks, tensor_parallel_args
 
 
@@ -62,6 +64,8 @@ class NativeEngine:
         whole model's, the engine holds this rank's shard (model/parallelize.py) and its share of
         the K/V heads in the cache. Every rank of the group runs the same requests and draws the
         same tokens (the logits are whole and equal on every rank).
+    lora: the trainer trains these adapters: the adapted layers' base weights and adapters arrive
+        by name (adapters.py) and are merged into the engine's weights at the end of each update.
     """
 
     def __init__(
@@ -84,6 +88,7 @@ class NativeEngine:
         sync_every: int = 8,
         prefill_tokens: int = 16384,
         tensor_parallel: tuple[int, dist.ProcessGroup] | None = None,
+        lora: LoRASpec | None = None,
     ):
         if stop_strings and decode_text is None:
             raise ValueError("stop strings need a decode_text function to read the completion text")
@@ -108,6 +113,7 @@ class NativeEngine:
         self.model.fuse_projections()
         self.model.eval().requires_grad_(False)
         self._params = dict(self.model.named_parameters())
+        self.adapters = AdapterMerge(self._params, lora, args.n_layers) if lora is not None else None
         self._token_hash = vocab_hash(args.vocab_size, self.device)
         self._sample = sample
         if self.use_compile:
@@ -173,6 +179,9 @@ class NativeEngine:
         `param[index] = tensor`, where index is a tuple of slices (empty for the whole parameter)."""
         for bucket in buckets:
             for name, index, tensor in bucket:
+                if self.adapters is not None and self.adapters.owns(name):
+                    self.adapters.write(name, index, tensor)
+                    continue
                 if name not in self._params:
                     raise KeyError(f"engine model has no parameter {name!r}")
                 target = self._params[name][index]
@@ -182,6 +191,8 @@ class NativeEngine:
                         f"{list(tensor.shape)}, the engine holds {list(target.shape)}"
                     )
                 target.copy_(tensor)
+        if self.adapters is not None:
+            self.adapters.merge()
         self.kept.clear()  # K/V of the old weights
         self.version = version
 

@@ -56,6 +56,7 @@ REDUCTIONS: dict[str, str] = {
     "throughput/mfu": "mean",  # a fraction of each rank's own peak
     "weight_sync/": "sum",  # bandwidth of transfers running in parallel
     "memory/": "max",  # the rank closest to running out
+    "model/": "max",  # parameter counts: the same on every rank
 }
 
 # Keys shown on a plain console line, in order, with their format.

@@ -57,12 +57,14 @@ def run_loop(cfg: Config, run: Run, resume: Path | None = None, stop: GracefulSt
     )
     if is_leader:
         _announce_mfu(run)
+        _announce_trainable(run)
     with logger:
-        run.sync_weights(version=start_step)
+        run.sync_weights(version=start_step, full=True)
         if start_step == 0:
             first = evaluate(run)
             evals = {"first": first, "last": first}
-            logger.log(0, first)
+            trained, total = run.parameter_counts
+            logger.log(0, {**first, "model/trainable_params": float(trained), "model/params": float(total)})
         elif start_step >= cfg.training.steps and is_leader:
             print(f"nothing to do: {resume} is at step {start_step} of training.steps = {cfg.training.steps}", flush=True)
         if async_steps is not None:
@@ -134,7 +136,7 @@ def _load_newest_whole(cfg: Config, run: Run, path: Path, is_async: bool) -> tup
         failed[path] = f"it does not load on rank {rank}: {failure.why}"
         with _leader_speaks(run, CheckpointDamaged, CheckpointMismatch, StartupError):
             path = next_resume(cfg.job.output_dir, cfg.checkpoint.resume, failed)
-            check_checkpoints(cfg, run.shapes, path)
+            check_checkpoints(cfg, run.shapes, path, run.trained_shapes)
     if follows_latest(cfg.checkpoint.resume) and run.roles.rank == run.roles.leader:
         set_aside_newer(path, failed)
     return path, *loaded
@@ -240,6 +242,13 @@ def _announce_mfu(run: Run) -> None:
             f"no MFU: no peak FLOP/s is known for {run.device.type} in {run.dtype} (set metrics.peak_tflops)",
             flush=True,
         )
+
+
+def _announce_trainable(run: Run) -> None:
+    trained, total = run.parameter_counts
+    how = "full fine-tuning" if run.lora is None else (
+        f"LoRA rank {run.lora.rank} on {', '.join(run.lora.targets)}, base frozen in {str(run.dtype).removeprefix('torch.')}")
+    print(f"trainable parameters: {trained:,} of {total:,} ({how})", flush=True)
 
 
 def _schedule_of(cfg: Config) -> dict:

@@ -15,7 +15,6 @@ failed, and every rank with TrainingDiverged after training.max_bad_steps bad st
 
 from __future__ import annotations
 
-import functools
 import math
 import time
 from contextlib import contextmanager
@@ -32,7 +31,6 @@ from grpo.distributed.collectives import all_reduce
 from grpo.distributed.faults import waiting_for
 from grpo.distributed.preflight import check_checkpoints
 from grpo.distributed.roles import Roles
-from grpo.distributed.weight_sync import WeightSync
 from grpo.engine import Engine, NativeEngine, SamplingParams
 from grpo.engine.vmm import mapped_bytes
 from grpo.envs import make_environment
@@ -50,11 +48,12 @@ from grpo.rollout.episode import (
 )
 from grpo.rollout.generate import generate_episodes
 from grpo.rollout.transport import exchange_episodes
+from grpo.run.weights import WeightPush
 from grpo.scoring.scorer import Scorer, score_episodes
 from grpo.train.checkpoint import export_bytes, export_hf
 from grpo.train.trainer import Trainer
 from model import ModelArgs, Transformer, from_hf
-from model.parallelize import tensor_parallel_layout
+from model.lora import LoRASpec, trained_shapes
 from rewards import RewardError
 
 
@@ -104,8 +103,15 @@ class Run:
             self.args = builtin_model_args(cfg, self.tokenizer.vocab_size)
         with torch.device("meta"):
             shapes = {name: tuple(p.shape) for name, p in Transformer(self.args).named_parameters()}
-        check_checkpoints(cfg, shapes, resume)
-        self.shapes = shapes
+        self.lora = None
+        if cfg.lora.rank > 0:
+            lora = cfg.lora
+            self.lora = LoRASpec(lora.rank, lora.alpha, tuple(lora.targets), tuple(lora.trainable))
+        trained = trained_shapes(shapes, self.lora, self.args.n_layers) if self.lora else shapes
+        check_checkpoints(cfg, shapes, resume, trained)
+        self.shapes, self.trained_shapes = shapes, trained
+        # (trained, all) parameter counts: what the optimizer steps, and the plain model's
+        self.parameter_counts = tuple(sum(math.prod(s) for s in d.values()) for d in (trained, shapes))
         role = "colocated" if not roles.split else "generator" if roles.is_generator else "trainer"
         self.who = f"{role} rank {roles.rank}"
         self.trainer_group = roles.trainer_mesh.get_group() if roles.trainer_mesh is not None else None
@@ -115,8 +121,8 @@ class Run:
         if roles.is_generator and cfg.env.name:
             self.env = make_environment(cfg.env.name, cfg.job.seed, self.tokenizer, cfg.env.max_turns, cfg.env.args)
             self.env_calls = EnvCalls(cfg.env.timeout_s, cfg.env.workers)
-        self.weight_bytes = sum(math.prod(s) for s in shapes.values()) * torch.empty((), dtype=self.dtype).element_size()
-        self.weight_sync = self._build_weight_sync(shapes) if roles.split else None
+        self.weights = WeightPush(shapes, self.args, self.lora, roles, self.dtype, device,
+                                  cfg.parallelism.weight_bucket_mb * 2**20)
         self.greedy = SamplingParams(cfg.generation.max_new_tokens, temperature=0.0)
         # (peak FLOP/s of one trainer device, what that figure is), or None: no MFU is reported
         self.peak = peak_flops(device, self.dtype, cfg.metrics.peak_tflops)
@@ -150,6 +156,7 @@ class Run:
             activation_checkpointing=cfg.model.activation_checkpointing,
             compile=cfg.model.compile and device.type == "cuda",
             reference=reference,
+            lora=self.lora,
         )
 
     def _build_engine(self) -> Engine:
@@ -183,33 +190,23 @@ class Run:
             compile=gen.compile,
             sync_every=gen.sync_every,
             tensor_parallel=(roles.generator_tp, roles.tp_group) if roles.generator_tp > 1 else None,
+            lora=self.lora,
         )
 
-    def _build_weight_sync(self, shapes: dict[str, tuple[int, ...]]) -> WeightSync:
-        """The trainer → generator weight transfer of split roles, routed by each side's layout
-        (a tensor-parallel generator holds slices of the weights)."""
-        roles = self.roles
-        layout = None
-        if roles.is_generator and roles.generator_tp > 1:
-            layout = functools.partial(tensor_parallel_layout, args=self.args, tp=roles.generator_tp, tp_rank=roles.tp_rank)
-        return WeightSync(
-            shapes, roles.trainer_ranks, roles.weight_groups, self.dtype, self.device,
-            self.cfg.parallelism.weight_bucket_mb * 2**20, generator_layout=layout,
-        )
-
-    def sync_weights(self, version: int) -> float:
-        """Push the trainer's weights into every engine; returns the seconds it took."""
+    def sync_weights(self, version: int, full: bool = False) -> float:
+        """Push the trainer's weights into every engine: all of them (`full`: at the start), else
+        what a step changes (weights.py). Returns the seconds it took."""
         start = time.perf_counter()
         generators, trainers = self.peers()
         if not self.roles.split:
             with self.waiting(f"the other ranks' weight shards ({trainers})"):
-                self.engine.update_weights([self.trainer.full_weights(self.dtype)], version)
+                self.engine.update_weights([self.trainer.full_weights(self.dtype, self.weights.names(full))], version)
         elif self.roles.is_trainer:
             with self.waiting(f"{generators} to take the weights"):
-                self.weight_sync.send(dict(self.trainer.model.named_parameters()))
+                self.weights.sync(full).send(dict(self.trainer.model.named_parameters()))
         else:
             with self.waiting(f"the weights from {trainers} (they train first)"):
-                self.weight_sync.receive(self.engine, version)
+                self.weights.sync(full).receive(self.engine, version)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter() - start
@@ -387,7 +384,8 @@ class Run:
         rates = {
             "throughput/generate_tok_s": float(episodes.completion_lens.sum()) / max(times["time/generate_s"], 1e-9),
             "throughput/train_tok_s": tokens * iterations / max(times["time/train_s"], 1e-9),
-            "weight_sync/GBps": self.weight_bytes / trainers / max(times["time/weight_sync_s"], 1e-9) / 1e9,
+            "weight_sync/GBps": self.weights.step_bytes / trainers / max(times["time/weight_sync_s"], 1e-9) / 1e9,
+            "weight_sync/bytes": self.weights.step_bytes / trainers,
         }
         if self.peak is not None:
             lengths = episodes.seq_lens.double()

@@ -3,6 +3,7 @@
 A checkpoint is the folder <job.output_dir>/checkpoints/step_N:
   trainer/        the fp32 policy and its AdamW state as DTensor shards, written by
                   torch.distributed.checkpoint: a run resumes on any number of trainer ranks
+                  (with LoRA only what trains: the adapters, never the frozen base)
   run_state.json  step, policy version, data position, LR-schedule position, the evaluations so
                   far and the count of consecutive bad steps
   rng/rank_R.pt   each rank's RNG states
@@ -31,7 +32,7 @@ import math
 import os
 import random
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import fields
 from pathlib import Path
 from typing import NamedTuple, TypeVar
@@ -40,7 +41,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
 from grpo.errors import TandemError
@@ -56,6 +57,8 @@ from grpo.train.checkpoint_folders import (
 from grpo.train.trainer import Trainer
 from model import ModelArgs
 from model.hf import save_hf
+from model.lora import is_adapter, merge_adapters
+from model.lora_export import save_peft_adapter
 
 # the async schedule's batches generated ahead, one file per generator rank
 _INFLIGHT = "inflight"
@@ -71,9 +74,12 @@ class _TrainerState(Stateful):
 
     def __init__(self, trainer: Trainer):
         self.trainer = trainer
+        # Frozen parameters (LoRA's base) are left out: they come from model.path, or from
+        # job.seed for the built-in model, as they did when the run started.
+        self.options = StateDictOptions(ignore_frozen_params=True, strict=trainer.lora is None)
 
     def state_dict(self) -> dict:
-        model, optimizer = get_state_dict(self.trainer.model, self.trainer.optimizer)
+        model, optimizer = get_state_dict(self.trainer.model, self.trainer.optimizer, options=self.options)
         return {"model": model, "optimizer": optimizer}
 
     def load_state_dict(self, state: dict) -> None:
@@ -82,6 +88,7 @@ class _TrainerState(Stateful):
             self.trainer.optimizer,
             model_state_dict=state["model"],
             optim_state_dict=state["optimizer"],
+            options=self.options,
         )
 
 
@@ -338,10 +345,14 @@ def export_hf(
     needed_bytes: int = 0,
 ) -> None:
     """Write the fp32 policy as an HF folder (safetensors, config.json and, when given, the tokenizer
-    files via `tokenizer_save(folder)`). Collective over the trainer ranks; written whole, then renamed.
+    files via `tokenizer_save(folder)`). With LoRA: the merged model, and the adapters in PEFT's
+    format in its adapter/ folder. Collective over the trainer ranks; written whole, then renamed.
     A write that fails (out of space: about `needed_bytes` are needed) removes its temporary folder and
     raises CheckpointSaveError on the writer; the other trainer ranks then lose their peer."""
     weights = ((name, tensor) for name, _, tensor in trainer.full_weights(torch.float32))
+    adapters: dict[str, torch.Tensor] = {}
+    if trainer.lora is not None:
+        weights = merge_adapters(_keep_adapters(weights, adapters), trainer.lora, args.n_layers)
     if not is_writer:
         for _ in weights:
             pass
@@ -350,6 +361,8 @@ def export_hf(
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         save_hf(args, weights, tmp)
+        if trainer.lora is not None:
+            save_peft_adapter(args, trainer.lora, adapters, tmp / "adapter")
         if tokenizer_save is not None:
             tokenizer_save(tmp)
     except Exception as error:  # safetensors reports a full disk as its own SafetensorError
@@ -361,6 +374,16 @@ def export_hf(
     if path.exists():
         shutil.rmtree(path)
     tmp.rename(path)
+
+
+def _keep_adapters(
+    named: Iterator[tuple[str, torch.Tensor]], into: dict[str, torch.Tensor]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Pass `named` through, keeping a reference to each adapter in `into` on the way."""
+    for name, tensor in named:
+        if is_adapter(name):
+            into[name] = tensor
+        yield name, tensor
 
 
 def _export_failed(path: Path, error: BaseException, needed_bytes: int) -> CheckpointSaveError | None:

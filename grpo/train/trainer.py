@@ -14,8 +14,9 @@ skipped on every trainer rank alike (weights and optimizer state untouched), cou
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -26,9 +27,11 @@ from torch.distributed.tensor import DTensor
 from grpo.config import GRPOConfig, OptimizerConfig
 from grpo.distributed.collectives import all_reduce
 from grpo.rollout.episode import EpisodeBatch
-from grpo.train.loss import SUMMED_STATS, LossSettings, Normalizers, policy_loss
+from grpo.train.loss import LossSettings, Normalizers, policy_loss
 from grpo.train.packing import PackedRows, pack_episodes, plan_micro_batches
+from grpo.train.tally import Tally
 from model import Transformer
+from model.lora import LoRASpec, apply_lora
 from model.mixed_precision import OneRankMixedPrecision
 from model.parallelize import parallelize
 
@@ -69,12 +72,15 @@ class Trainer:
         compile: bool = False,
         reference: Transformer | None = None,
         fsdp_on_one_rank: bool = False,
+        lora: LoRASpec | None = None,
     ):
         """`model` and `reference` (needed when grpo.kl_coef > 0: the frozen policy the KL penalty
         pulls toward) are fp32 models on this rank's device; both get sharded over `mesh`.
         micro_batch_tokens: the most tokens (prompt + completion) one forward/backward packs.
         fsdp_on_one_rank: wrap a one-rank mesh in FSDP2 anyway (the reference the one-rank path
-        is tested against)."""
+        is tested against).
+        lora: train low-rank adapters of a frozen base instead (model/lora.py); the base is cast
+        to compute_dtype and gets neither masters nor optimizer state."""
         self.mesh, self.device = mesh, device
         self.grpo, self.optim = grpo, optim
         self.micro_batch_tokens = micro_batch_tokens
@@ -86,8 +92,13 @@ class Trainer:
         # The fp32 masters (what the optimizer steps, checkpoints hold and weight sync sends), and
         # what runs forward: FSDP2 over several ranks, the plain copy on one.
         self.one_rank: OneRankMixedPrecision | None = None
+        self.lora = lora
+        structure = None
+        if lora is not None:
+            structure = functools.partial(apply_lora, spec=lora, base_dtype=compute_dtype)
+            structure(model)
         if mesh.size() == 1 and not fsdp_on_one_rank:
-            self.one_rank = OneRankMixedPrecision(model, compute_dtype, activation_checkpointing, compile)
+            self.one_rank = OneRankMixedPrecision(model, compute_dtype, activation_checkpointing, compile, structure)
             self.model, self.policy = model, self.one_rank
             if reference is not None:
                 # Frozen: its compute-dtype cast is all FSDP2 would have made of it on one rank.
@@ -97,8 +108,11 @@ class Trainer:
             if reference is not None:
                 self.reference = parallelize(reference.requires_grad_(False), mesh, compute_dtype).eval()
         self.loss_settings = LossSettings.from_config(grpo, max_new_tokens)
+        # What changes when the policy trains: everything, or with LoRA the adapters and the extra
+        # trainable parameters (all that a step's weight sync sends and a checkpoint holds).
+        self.trained_names = [name for name, p in self.model.named_parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
+            [p for p in self.model.parameters() if p.requires_grad],
             lr=optim.lr,
             betas=tuple(optim.betas),
             eps=optim.eps,
@@ -114,10 +128,14 @@ class Trainer:
         # Why the last train() call skipped an update ("" when it skipped none).
         self.last_skip_reason = ""
 
-    def full_weights(self, dtype: torch.dtype) -> Iterator[tuple[str, tuple[slice, ...], torch.Tensor]]:
-        """Whole parameters cast to dtype as engine weight updates, one at a time.
-        Collective: every trainer rank must iterate."""
+    def full_weights(
+        self, dtype: torch.dtype, names: Collection[str] | None = None
+    ) -> Iterator[tuple[str, tuple[slice, ...], torch.Tensor]]:
+        """Whole parameters (those in `names`, default all) cast to dtype as engine weight updates,
+        one at a time. Collective: every trainer rank must iterate."""
         for name, param in self.model.named_parameters():
+            if names is not None and name not in names:
+                continue
             tensor = param.full_tensor() if isinstance(param, DTensor) else param
             yield name, (), tensor.detach().to(dtype)
 
@@ -188,7 +206,7 @@ class Trainer:
         self._frozen_passes([mb for m in minibatches for mb in m], recompute_old)
         # Summed and maximal statistics stay on the device until the step ends: reading them per
         # micro-batch would make the host wait for the device every time.
-        tally = _Tally(self.device)
+        tally = Tally(self.device)
         # Global minibatch losses and gradient norms of the updates that were applied.
         losses: list[float] = []
         grad_norms: list[float] = []
@@ -229,7 +247,7 @@ class Trainer:
                     mb.ref_logprobs = logprobs
 
     def _backward(
-        self, mb: _MicroBatch, norm: Normalizers, recompute_old: bool, tally: _Tally, first_iteration: bool
+        self, mb: _MicroBatch, norm: Normalizers, recompute_old: bool, tally: Tally, first_iteration: bool
     ) -> torch.Tensor:
         """Forward and backward of one micro-batch's share of the minibatch loss; returns that share
         (0-d, detached) and adds its statistics (and, in the first iteration, the generator-trainer
@@ -271,7 +289,7 @@ class Trainer:
         return terms.loss.detach()
 
     def _metrics(
-        self, tally: _Tally, losses: list[float], grad_norms: list[float], skipped: int, lr: float
+        self, tally: Tally, losses: list[float], grad_norms: list[float], skipped: int, lr: float
     ) -> dict[str, float]:
         """The step's training metrics, reduced over the trainer ranks."""
         summed, maxima = tally.global_values(self.group)
@@ -361,34 +379,6 @@ class Trainer:
         if self.optim.max_grad_norm > 0:
             torch._foreach_mul_(grads, torch.clamp(self.optim.max_grad_norm / (norm + 1e-6), max=1.0))
         return norm
-
-
-class _Tally:
-    """Per-step statistics as device scalars: sums and maxima, reduced over ranks once at the end."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.sums: dict[str, torch.Tensor] = {}
-        self.maxima: dict[str, torch.Tensor] = {}
-
-    def add(self, key: str, value: torch.Tensor) -> None:
-        value = value.detach().double()
-        self.sums[key] = self.sums[key] + value if key in self.sums else value
-
-    def max(self, key: str, value: torch.Tensor) -> None:
-        value = value.detach().double()
-        self.maxima[key] = torch.maximum(self.maxima[key], value) if key in self.maxima else value
-
-    def global_values(self, group) -> tuple[dict[str, float], dict[str, float]]:
-        """(sums, maxima) over every rank of group. Collective: every rank must have tallied the
-        same keys (a rank with no micro-batches has none, and then takes part with zeros)."""
-        zero = torch.zeros((), dtype=torch.float64, device=self.device)
-        sums = {k: self.sums.get(k, zero) for k in (*SUMMED_STATS, "diff_sum", "diff_exact")}
-        maxima = {k: self.maxima.get(k, zero) for k in ("ratio_max", "diff_max")}
-        return (
-            all_reduce(sums, group, device=self.device),
-            all_reduce(maxima, group, dist.ReduceOp.MAX, device=self.device),
-        )
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
