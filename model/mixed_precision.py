@@ -50,7 +50,8 @@ class OneRankMixedPrecision:
     ):
         """structure: what was applied to `master` beyond the plain model (e.g. apply_lora), to
         apply to the compute copy as well so that both have the same parameter names."""
-        check_master_dtypes(master, compute_dtype)
+        # Frozen parameters are used as they are: they must be in the compute dtype already.
+        check_master_dtypes(master, (compute_dtype,))
         self.master = master
         device = next(master.parameters()).device
         with torch.device("meta"):

@@ -36,7 +36,8 @@ def parallelize(
     is its own FSDP unit (one all-gather per block) and the embeddings, final norm and head form
     the root unit; on one rank the whole model is one unit.
     """
-    check_master_dtypes(model, compute_dtype)
+    # A frozen fp32 model (the KL reference) is cast by the all-gather, as masters are.
+    check_master_dtypes(model, (compute_dtype, torch.float32))
     mp_policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     if compile:
         compile_blocks(model)
@@ -55,13 +56,13 @@ def parallelize(
     return model
 
 
-def check_master_dtypes(model: torch.nn.Module, compute_dtype: torch.dtype) -> None:
-    """Trainable parameters must be fp32 masters, frozen ones already in the compute dtype."""
+def check_master_dtypes(model: torch.nn.Module, frozen_dtypes: tuple[torch.dtype, ...]) -> None:
+    """Trainable parameters must be fp32 masters, frozen ones in one of frozen_dtypes."""
     for name, param in model.named_parameters():
-        expected = torch.float32 if param.requires_grad else compute_dtype
-        if param.dtype != expected:
-            kind = "trainable (an fp32 master)" if param.requires_grad else "frozen (kept in the compute dtype)"
-            raise ValueError(f"{name} is {kind} and should be {expected}, got {param.dtype}")
+        expected = (torch.float32,) if param.requires_grad else frozen_dtypes
+        if param.dtype not in expected:
+            kind = "trainable (an fp32 master)" if param.requires_grad else "frozen"
+            raise ValueError(f"{name} is {kind} and should be {' or '.join(map(str, expected))}, got {param.dtype}")
 
 
 # Inductor fuses the two reductions of RMSNorm's backward (over the row, for the input's gradient;

@@ -22,7 +22,7 @@ from grpo.train.trainer import Trainer
 from model import Transformer
 from model.lora import TARGETS, LoRALinear, LoRASpec, apply_lora
 from model.parallelize import tensor_parallel_layout
-from tests.dist_utils import one_thread, single_process_group
+from tests.dist_utils import one_thread, run_ranks, single_process_group
 from tests.test_trainer import ARGS, V, build_model, grpo_config, make_batch, optim_config
 
 SPEC = LoRASpec(rank=4, alpha=8.0, targets=("q", "v", "o", "gate", "down"))
@@ -128,6 +128,29 @@ def test_trainer_steps_only_adapters_and_extra_trainables(fsdp):
             assert param.dtype == (torch.float32 if name in trained else torch.bfloat16), name
             changed = not torch.equal(param, old)
             assert changed == (name in trained), name
+
+
+def _adapters_after_one_step(rank: int, world: int) -> dict[str, torch.Tensor]:
+    """Whole adapters after one update on `world` trainer ranks, each training its share of the groups."""
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(5)
+    trainer = Trainer(build_model(), mesh, torch.device("cpu"), torch.float32, grpo_config(), optim_config(),
+                      total_steps=10, micro_batch_tokens=40, temperature=0.7, max_new_tokens=8, lora=SPEC,
+                      activation_checkpointing=True)
+    batch = make_batch()
+    trainer.train(batch.select([i for i in range(len(batch)) if int(batch.prompt_index[i]) % world == rank]))
+    return {n: t.clone() for n, _, t in trainer.full_weights(torch.float32, set(trainer.trained_names))}
+
+
+def test_two_fsdp2_trainer_ranks_train_the_adapters_as_one_does(tmp_path):
+    with single_process_group():
+        one = _adapters_after_one_step(0, 1)
+    two = run_ranks(_adapters_after_one_step, 2, tmp_path, timeout_s=120)
+    for rank_result in two:
+        assert rank_result.keys() == one.keys()
+        for name, value in one.items():
+            torch.testing.assert_close(rank_result[name], value, atol=1e-6, rtol=1e-5)
+    assert not torch.equal(one["layers.0.attention.wq.lora_B"], torch.zeros_like(one["layers.0.attention.wq.lora_B"]))
 
 
 def _engine(lora: LoRASpec | None) -> NativeEngine:

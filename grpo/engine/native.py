@@ -176,7 +176,9 @@ class NativeEngine:
     @torch.no_grad()
     def update_weights(self, buckets: Iterable[Iterable[WeightUpdate]], version: int) -> None:
         """Copy (name, index, tensor) updates, bucket by bucket, into the engine's own parameters:
-        `param[index] = tensor`, where index is a tuple of slices (empty for the whole parameter)."""
+        `param[index] = tensor`, where index is a tuple of slices (empty for the whole parameter).
+        With LoRA, an adapted layer's base weight and adapters go to `adapters`, and every layer
+        they touched is merged again at the end of the call."""
         for bucket in buckets:
             for name, index, tensor in bucket:
                 if self.adapters is not None and self.adapters.owns(name):
