@@ -531,3 +531,16 @@ def test_one_rank_path_equals_fsdp_on_one_rank_bitwise():
     assert all(torch.equal(a, b) for a, b in zip(m_plain, m_fsdp))
     assert metrics_plain == metrics_fsdp
     assert metrics_plain[0]["loss/kl"] != 0 and metrics_plain[1]["loss/grad_norm"] > MAX_NORM
+
+
+def test_one_rank_trainer_takes_a_batch_without_episodes():
+    """Nothing to learn from (every group filtered out, say): the step runs, reports a zero gradient
+    norm and leaves the weights as they were."""
+    with single_process_group():
+        mesh = init_device_mesh("cpu", (1,))
+        trainer = Trainer(build_model(), mesh, torch.device("cpu"), torch.float32, grpo_config(), optim_config(MAX_NORM),
+                          total_steps=10, micro_batch_tokens=WHOLE, temperature=TEMPERATURE, max_new_tokens=8)
+        metrics = trainer.train(make_batch().select(torch.zeros(0, dtype=torch.long)))
+    assert metrics["loss/grad_norm"] == 0.0
+    initial = initial_weights()
+    assert all(torch.equal(p.detach(), initial[n]) for n, p in trainer.model.named_parameters())

@@ -40,10 +40,19 @@ class AsyncSteps:
     def prime(self, start_step: int, saved: dict[int, tuple[EpisodeBatch | None, float]] | None) -> None:
         """Fill the pipeline before step start_step + 1: the batches of the next k steps, from the
         checkpoint when resuming, else generated now by the current weights (version 0)."""
+        ahead = range(start_step + 1, min(start_step + self.lag, self.steps) + 1)
         if saved is not None:
             self.inflight = dict(saved)
-            return
-        for step in range(start_step + 1, min(start_step + self.lag, self.steps) + 1):
+            # A run that finished and is resumed with more steps saved none of the batches past its
+            # old end: those are generated now, by the weights the run ended with.
+            missing = [step for step in ahead if step not in self.inflight]
+            roles = self.run.roles
+            if missing and roles.rank == roles.generator_ranks[0]:
+                print(f"resumed past the previous run's last step: the batch of step {missing[0]} is generated "
+                      f"now, by the weights of step {start_step} (an uninterrupted run would have used those of "
+                      f"step {max(0, missing[0] - 1 - self.lag)})", flush=True)
+            ahead = missing
+        for step in ahead:
             self._generate(step)
 
     def step(self, step: int, with_samples: bool = False) -> tuple[dict[str, float], list[dict]]:
