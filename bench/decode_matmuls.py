@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.decode_attention import time_us  # noqa: E402
 from bench.generate import commit  # noqa: E402
 from bench.vllm_engines import SHAPES, VOCAB  # noqa: E402
 
@@ -41,18 +42,6 @@ def variants(name: str) -> dict:
     if name == "head":
         out["fp32_out"] = lambda x, w: torch.mm(x, w.t(), out_dtype=torch.float32)
     return out
-
-
-def time_us(fn, reps: int) -> float:
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / reps
 
 
 def kernel_names(fn) -> list[str]:
