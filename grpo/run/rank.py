@@ -121,7 +121,7 @@ class Run:
         if roles.is_generator and cfg.env.name:
             self.env = make_environment(cfg.env.name, cfg.job.seed, self.tokenizer, cfg.env.max_turns, cfg.env.args)
             self.env_calls = EnvCalls(cfg.env.timeout_s, cfg.env.workers)
-        self.weights = WeightPush(shapes, self.args, self.lora, roles, self.dtype, device,
+        self.weights = WeightPush(shapes, trained, self.args, self.lora, roles, self.dtype, device,
                                   cfg.parallelism.weight_bucket_mb * 2**20)
         self.greedy = SamplingParams(cfg.generation.max_new_tokens, temperature=0.0)
         # (peak FLOP/s of one trainer device, what that figure is), or None: no MFU is reported

@@ -13,7 +13,7 @@ import torch
 from grpo.distributed.roles import Roles
 from grpo.distributed.weight_sync import WeightSync
 from model import ModelArgs
-from model.lora import LoRASpec, adapter_shapes, trained_shapes
+from model.lora import LoRASpec, adapter_shapes
 from model.parallelize import tensor_parallel_layout
 
 Shapes = dict[str, tuple[int, ...]]
@@ -23,12 +23,13 @@ class WeightPush:
     """The two transfers of one rank: `full` (every parameter, adapters included) and `step` (what
     a training step changes); on split roles each is a WeightSync, colocated ranks copy in process."""
 
-    def __init__(self, shapes: Shapes, args: ModelArgs, lora: LoRASpec | None, roles: Roles, dtype: torch.dtype,
-                 device: torch.device, bucket_bytes: int):
-        """shapes: the plain model's parameter shapes."""
+    def __init__(self, shapes: Shapes, trained: Shapes, args: ModelArgs, lora: LoRASpec | None, roles: Roles,
+                 dtype: torch.dtype, device: torch.device, bucket_bytes: int):
+        """shapes: the plain model's parameter shapes; trained: those of what a step changes
+        (model/lora.py trained_shapes with LoRA, else shapes)."""
         self.lora = lora
         self.full_shapes = {**shapes, **adapter_shapes(shapes, lora, args.n_layers)} if lora else shapes
-        self.step_shapes = trained_shapes(shapes, lora, args.n_layers) if lora else shapes
+        self.step_shapes = trained
         size = torch.empty((), dtype=dtype).element_size()
         # Bytes one step's sync moves (in the engine's dtype): reported as weight_sync/bytes.
         self.step_bytes = sum(math.prod(s) for s in self.step_shapes.values()) * size
