@@ -70,7 +70,7 @@ def check_vllm(cfg: Config) -> None:
     from grpo.engine.vllm_engine import vllm_problem
 
     device = _device_type(cfg)
-    problem = vllm_problem(_model_shape(cfg).head_dim, device)
+    problem = vllm_problem(model_shape(cfg).head_dim, device)
     if problem:
         raise ConfigError(f'generation.engine = "vllm" {problem}')
     if cfg.parallelism.generator_tp != 1:
@@ -93,7 +93,7 @@ def check_bitwise(cfg: Config) -> None:
         )
 
 
-def _model_shape(cfg: Config) -> ModelArgs:
+def model_shape(cfg: Config) -> ModelArgs:
     """The head and width counts of the model the run will build: the checkpoint's, or the built-in
     shape's (whose heads split model.dim evenly)."""
     from model.args import ModelArgs
@@ -105,14 +105,14 @@ def _model_shape(cfg: Config) -> ModelArgs:
                      head_dim=m.dim // m.n_heads, ffn_dim=m.ffn_dim)
 
 
-def model_parameter_names(cfg: Config) -> list[str]:
-    """The parameter names of the model the run will build (a meta model: nothing is allocated)."""
+def model_parameter_names(args: ModelArgs) -> list[str]:
+    """The parameter names of a model of shape `args` (a meta model: nothing is allocated)."""
     import torch
 
     from model.model import Transformer
 
     with torch.device("meta"):
-        return [name for name, _ in Transformer(_model_shape(cfg)).named_parameters()]
+        return [name for name, _ in Transformer(args).named_parameters()]
 
 
 def _device_type(cfg: Config) -> str:
@@ -138,6 +138,6 @@ def _check_generator_tp(cfg: Config) -> None:
         return
     from model.parallelize import tensor_parallel_problem
 
-    problem = tensor_parallel_problem(_model_shape(cfg), tp)
+    problem = tensor_parallel_problem(model_shape(cfg), tp)
     if problem:
         raise ConfigError(f"parallelism.generator_tp = {tp} {problem} of the model")

@@ -41,12 +41,13 @@ def _check_trainable(cfg: Config) -> None:
     if not cfg.lora.trainable:
         return
     # Imported here: reading a config must not load torch.
-    from grpo.config.launch_checks import model_parameter_names
+    from grpo.config.launch_checks import model_parameter_names, model_shape
     from model.lora import LoRASpec
 
-    names = model_parameter_names(cfg)
+    args = model_shape(cfg)
+    names = model_parameter_names(args)
     spec = LoRASpec(cfg.lora.rank, cfg.lora.alpha, tuple(cfg.lora.targets))
-    adapted = {f"{module}.weight" for module in spec.module_names(n_layers=max(1 + _layer(n) for n in names))}
+    adapted = {f"{module}.weight" for module in spec.module_names(args.n_layers)}
     for pattern in cfg.lora.trainable:
         matched = [n for n in names if LoRASpec(1, 1.0, (), (pattern,)).stays_trainable(n)]
         if not matched:
@@ -59,8 +60,3 @@ def _check_trainable(cfg: Config) -> None:
                 "it is the frozen base of its adapters"
             )
 
-
-def _layer(name: str) -> int:
-    """The block index of a parameter name ('layers.3.…' -> 3), -1 outside the blocks."""
-    parts = name.split(".")
-    return int(parts[1]) if parts[0] == "layers" else -1
