@@ -39,6 +39,7 @@ sys.path.insert(0, str(REPO))
 from bench.rl_step import (  # noqa: E402
     MEASURED_RUN,
     QWEN3_0_6B,
+    QWEN3_8B,
     TINY,
     build_checkpoint,
     build_prompts,
@@ -48,8 +49,8 @@ from bench.rl_step import (  # noqa: E402
 
 BODIES = {
     "qwen3-0.6b": QWEN3_0_6B,
-    "qwen3-1.7b": {"layers": 28, "dim": 2048, "heads": 16, "kv_heads": 8, "head_dim": 128, "ffn": 6144},
-    "qwen3-8b": {"layers": 36, "dim": 4096, "heads": 32, "kv_heads": 8, "head_dim": 128, "ffn": 12288},
+    "qwen3-1.7b": {"layers": 28, "dim": 2048, "heads": 16, "kv_heads": 8, "head_dim": 128, "ffn": 6144, "tied": 1},
+    "qwen3-8b": QWEN3_8B,
     "tiny": TINY,
 }
 MEDIANS = ("time/step_s", "time/generate_s", "time/train_s", "time/weight_sync_s", "time/generator_idle_s",

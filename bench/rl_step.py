@@ -1,11 +1,14 @@
 """The realistic colocated RL step: a Qwen3-0.6B body on GSM8K-format prompts, one GPU.
 
-    python3 bench/rl_step.py [--steps N] [--skip K] [-- extra train_grpo.py overrides]
+    python3 bench/rl_step.py [--steps N] [--skip K] [--body 0.6b|8b] [-- extra train_grpo.py overrides]
+    python3 bench/rl_step.py --body 8b -- --lora.rank=32 --lora.alpha=32       # the 8B body with LoRA adapters
     python3 bench/rl_step.py --tiny --steps 2 -- --data.prompts_per_step=4 --generation.max_new_tokens=8   # CPU smoke test
 
 Builds (once, in --workdir) a random-weight bf16 HF checkpoint with the Qwen3-0.6B body (28 layers,
 hidden 1024, 16 / 8 heads, head_dim 128, FFN 3072, tied embeddings) and the 600-token BPE tokenizer
-of fixtures/hf.py, so the step is the real model's compute without the 152k-token vocab.
+of fixtures/hf.py, so the step is the real model's compute without the 152k-token vocab; `--body 8b`
+is the Qwen3-8B body instead (36 layers, hidden 4096, 32 / 8 heads, FFN 12288, untied embeddings),
+which one GPU trains only with LoRA.
 Then runs `train_grpo.py` colocated on one rank: 64 prompts x 8 samples, 256 new tokens, math
 rewards, lr 1e-6. Prints one JSON line per step (time split, throughput, engine vs trainer
 log-prob gap) and a summary line with medians over the steps after the first --skip.
@@ -29,8 +32,10 @@ sys.path.insert(0, str(REPO))
 
 from fixtures.hf import FIXTURE, SYSTEM, build_tokenizer  # noqa: E402
 
-QWEN3_0_6B = {"layers": 28, "dim": 1024, "heads": 16, "kv_heads": 8, "head_dim": 128, "ffn": 3072}
-TINY = {"layers": 2, "dim": 64, "heads": 4, "kv_heads": 2, "head_dim": 16, "ffn": 128}
+QWEN3_0_6B = {"layers": 28, "dim": 1024, "heads": 16, "kv_heads": 8, "head_dim": 128, "ffn": 3072, "tied": 1}
+QWEN3_8B = {"layers": 36, "dim": 4096, "heads": 32, "kv_heads": 8, "head_dim": 128, "ffn": 12288, "tied": 0}
+TINY = {"layers": 2, "dim": 64, "heads": 4, "kv_heads": 2, "head_dim": 16, "ffn": 128, "tied": 1}
+BODIES = {"0.6b": QWEN3_0_6B, "8b": QWEN3_8B}
 PER_STEP = (
     "time/step_s", "time/generate_s", "time/score_s", "time/train_s", "time/weight_sync_s",
     "throughput/generate_tok_s", "throughput/train_tok_s", "throughput/mfu",
@@ -38,11 +43,14 @@ PER_STEP = (
     "memory/generate_peak_gb", "memory/train_peak_gb",
 )
 MEDIANS = PER_STEP[:8] + ("episode/length_mean", "memory/generate_peak_gb", "memory/train_peak_gb")
+# Step 0's row: the whole policy's first sync and the trainable share.
+FIRST = ("weight_sync/full_s", "weight_sync/full_bytes", "model/trainable_params", "model/params")
 
 
 def build_checkpoint(folder: Path, body: dict[str, int]) -> Path:
-    """Random bf16 Qwen3 with the given body, sized to the fixture BPE; reused if already there."""
-    if (folder / "config.json").is_file() and (folder / "model.safetensors").is_file():
+    """Random bf16 Qwen3 with the given body, sized to the fixture BPE; reused if already there.
+    Initialised on the GPU when there is one (the 8B body takes minutes on the CPU)."""
+    if (folder / "config.json").is_file() and any(folder.glob("*.safetensors")):
         return folder
     from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config
 
@@ -51,11 +59,13 @@ def build_checkpoint(folder: Path, body: dict[str, int]) -> Path:
     config = Qwen3Config(
         vocab_size=len(tokenizer), hidden_size=body["dim"], intermediate_size=body["ffn"],
         num_hidden_layers=body["layers"], num_attention_heads=body["heads"], num_key_value_heads=body["kv_heads"],
-        head_dim=body["head_dim"], tie_word_embeddings=True, rope_theta=1e6, max_position_embeddings=4096,
+        head_dim=body["head_dim"], tie_word_embeddings=bool(body["tied"]), rope_theta=1e6, max_position_embeddings=4096,
         dtype="bfloat16", eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
     )
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(str(folder))
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(str(folder))
     return folder
 
 
@@ -117,10 +127,11 @@ def main() -> None:
     parser.add_argument("--skip", type=int, default=1, help="steps left out of the medians (warm-up)")
     parser.add_argument("--layers", type=int, default=None, help="override the number of decoder layers")
     parser.add_argument("--eval-prompts", type=int, default=16, help="held-out prompts (evaluated outside the step)")
+    parser.add_argument("--body", choices=sorted(BODIES), default="0.6b", help="the model body (random weights)")
     parser.add_argument("--tiny", action="store_true", help="2-layer, dim-64 body for a CPU smoke test")
     opts = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
 
-    body = dict(TINY if opts.tiny else QWEN3_0_6B)
+    body = dict(TINY if opts.tiny else BODIES[opts.body])
     body["layers"] = opts.layers or body["layers"]
     opts.workdir.mkdir(parents=True, exist_ok=True)
     # One folder per body, so a --tiny run never leaves a checkpoint the full run would reuse.
@@ -146,6 +157,7 @@ def main() -> None:
 
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     step_rows = [r for r in rows if "time/step_s" in r]
+    first = next((r for r in rows if r["step"] == 0), {})
     if not step_rows:
         raise SystemExit(f"{run_dir}/metrics.jsonl has no finished steps")
     for r in step_rows:
@@ -156,6 +168,8 @@ def main() -> None:
         "steps": len(step_rows),
         "median_over_steps": [r["step"] for r in timed],
         **{f"median_{k.split('/')[1]}": statistics.median(r[k] for r in timed) for k in MEDIANS if all(k in r for r in timed)},
+        "weight_sync_bytes": step_rows[-1].get("weight_sync/bytes"),
+        **{k.replace("/", "_"): first[k] for k in FIRST if k in first},
         "logprob_diff_max": max(r["logprob_diff/max"] for r in step_rows),
         "logprob_diff_mean": statistics.mean(r["logprob_diff/mean"] for r in step_rows),
         "body": body,

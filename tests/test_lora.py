@@ -262,7 +262,6 @@ def test_exports_merged_model_and_peft_adapter_with_the_same_logits(tmp_path):
         (["--lora.rank=4", '--lora.targets=["q", "gates"]'], "lora.targets has unknown layer \"gates\" (did you mean 'gate'?)"),
         (["--lora.rank=4", '--lora.targets=["q", "q"]'], 'lora.targets = ["q", "q"] names q more than once'),
         (["--lora.rank=4", "--lora.dropout=0.05"], "lora.dropout = 0.05 is not supported: the adapters are merged"),
-        (["--lora.rank=4", "--generation.engine=vllm"], 'lora.rank = 4 with generation.engine = "vllm" is not supported yet'),
         (["--lora.rank=4", '--lora.trainable=["norm.weigth"]'],
          "lora.trainable pattern \"norm.weigth\" matches no parameter of the model (did you mean 'norm.weight'?)"),
         (["--lora.rank=4", '--lora.trainable=["layers.*.attention.wq.weight"]'],

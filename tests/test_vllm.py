@@ -20,6 +20,7 @@ else:
 from grpo.engine import GenerationRequest, NativeEngine, SamplingParams  # noqa: E402
 from grpo.engine.vllm_engine import VLLMEngine  # noqa: E402
 from model import ModelArgs, Transformer  # noqa: E402
+from model.lora import LoRASpec, adapter_shapes  # noqa: E402
 from tests.test_e2e import launch, metrics  # noqa: E402
 
 # vLLM's CPU attention needs head_dim >= 32.
@@ -123,6 +124,44 @@ def test_weight_update_reaches_vllm_and_stop_strings_cut_like_the_native_engine(
     assert [c.tokens for c in ours] != [c.tokens for c in first]
     assert [(c.tokens, c.finish_reason, c.version) for c in ours] == [(c.tokens, c.finish_reason, c.version) for c in theirs]
     assert {c.finish_reason for c in ours} >= {"stop"}, [c.finish_reason for c in ours]
+    vllm.close()
+
+
+def _adapters(args: ModelArgs, spec: LoRASpec, seed: int) -> list:
+    """Random A and B (non-zero) for every adapted layer, as the trainer sends them."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.device("meta"):
+        shapes = {n: tuple(p.shape) for n, p in Transformer(args).named_parameters()}
+    return [(n, (), torch.randn(shape, generator=g) * 0.3) for n, shape in adapter_shapes(shapes, spec, args.n_layers).items()]
+
+
+def test_lora_adapters_merge_inside_vllm_as_in_the_native_engine(monkeypatch):
+    """With LoRA the policy goes over once (base weights and adapters), then the adapters alone:
+    after each sync vLLM's worker holds bitwise the native engine's merged weights, W + s·B·A
+    from the unmerged base (not from the previous merge), and its greedy completions are the
+    native engine's. The 10 KB staging buffer splits the sync over many flushes."""
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # to read vLLM's parameters back
+    args = ARCHS["qwen3"]
+    spec = LoRASpec(rank=4, alpha=8.0, targets=("q", "v", "gate", "down"))
+    vllm, native = _engines(args, SamplingParams(max_new_tokens=12, temperature=0.0), staging_mb=0.01, lora=spec)
+    base = dict(_model(args).named_parameters())
+    updates = [[(n, (), p.detach()) for n, p in base.items()] + _adapters(args, spec, seed=1), _adapters(args, spec, seed=2)]
+    for version, update in enumerate(updates, start=1):
+        for engine in (vllm, native):
+            engine.update_weights([update], version)
+        held = vllm.llm.collective_rpc(
+            lambda worker: {n: p.detach().clone() for n, p in worker.model_runner.get_model().model.named_parameters()}
+        )[0]
+        theirs = dict(native.model.named_parameters())
+        sent = {n: t for n, _, t in update}
+        for name in base:
+            assert torch.equal(held[name], theirs[name]), (version, name)
+        for module in spec.module_names(args.n_layers):
+            a, b = sent[f"{module}.lora_A"].double(), sent[f"{module}.lora_B"].double()
+            by_hand = base[f"{module}.weight"].double() + spec.scale * b @ a
+            torch.testing.assert_close(held[f"{module}.weight"], by_hand.float(), atol=1e-5, rtol=1e-5)
+        ours, want = vllm.generate(_requests(args)), native.generate(_requests(args))
+        assert [(c.tokens, c.finish_reason) for c in ours] == [(c.tokens, c.finish_reason) for c in want]
     vllm.close()
 
 

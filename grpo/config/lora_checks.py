@@ -8,7 +8,7 @@ from grpo.config.sections import LORA_TARGETS, Config, ConfigError
 
 
 def check_lora(cfg: Config) -> None:
-    """Values of [lora] (checked on or off), then, when rank > 0, the engine and the trainable names."""
+    """Values of [lora] (checked on or off), then, when rank > 0, the trainable names."""
     lora = cfg.lora
     require(lora.rank >= 0, "lora.rank", lora.rank, "must be >= 0 (0 = off)")
     require(lora.alpha > 0, "lora.alpha", lora.alpha, "must be > 0 (the adapters' scale is alpha / rank)")
@@ -28,11 +28,6 @@ def check_lora(cfg: Config) -> None:
     require(not duplicates, "lora.targets", lora.targets, f"names {', '.join(duplicates)} more than once")
     if lora.rank == 0:
         return
-    if cfg.generation.engine != "native":
-        raise ConfigError(
-            f'lora.rank = {lora.rank} with generation.engine = "{cfg.generation.engine}" is not supported yet: '
-            'only the native engine merges the adapters it receives (set generation.engine = "native")'
-        )
     _check_trainable(cfg)
 
 

@@ -37,17 +37,26 @@ class AdapterMerge:
         module, _, leaf = name.rpartition(".")
         return module in self.parts and leaf in ("weight", "lora_A", "lora_B")
 
+    def storage(self, name: str) -> torch.Tensor:
+        """The base copy or adapter that update pieces for `name` are written into (the vLLM
+        worker copies into its views); `touch` its module afterwards so that `merge` sees it."""
+        module, _, leaf = name.rpartition(".")
+        return self.parts[module][leaf]
+
+    def touch(self, modules: set[str]) -> None:
+        """Mark adapted layers (module names) as received since the last merge."""
+        self._stale |= modules
+
     def write(self, name: str, index: tuple[slice, ...], tensor: torch.Tensor) -> None:
         """Store `tensor` at `index` of the base copy or adapter `name`; merged at the next `merge`."""
-        module, _, leaf = name.rpartition(".")
-        target = self.parts[module][leaf][index]
+        target = self.storage(name)[index]
         if target.shape != tensor.shape:
             raise ValueError(
                 f"weight update for {name!r}{list(index) if index else ''} has shape {list(tensor.shape)}, "
                 f"the engine holds {list(target.shape)}"
             )
         target.copy_(tensor)
-        self._stale.add(module)
+        self.touch({name.rpartition(".")[0]})
 
     @torch.no_grad()
     def merge(self) -> None:

@@ -50,6 +50,7 @@ from grpo.engine.types import (
 )
 from grpo.engine.vllm_staging import StagedPiece, StagingBuffer
 from model import ModelArgs, Transformer
+from model.lora import LoRASpec, adapter_shapes
 
 # Head sizes vLLM's CPU attention serves (vLLM 0.32.0).
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
@@ -136,6 +137,9 @@ class VLLMEngine:
     cuda_graphs / compile: vLLM's CUDA graphs and its torch.compile of the model (CUDA only; the
         CPU runs eagerly).
     llm_options: further keyword arguments for `vllm.LLM` (the benches pass a profiler config).
+    lora: the trainer trains these adapters: the adapted layers' base weights and adapters arrive
+        by name, and vLLM's worker merges them into its parameters in place after each sync (as
+        the native engine does: grpo/engine/adapters.py).
     """
 
     def __init__(
@@ -157,6 +161,7 @@ class VLLMEngine:
         cuda_graphs: bool = True,
         compile: bool = True,
         llm_options: dict | None = None,
+        lora: LoRASpec | None = None,
     ):
         if stop_strings and decode_text is None:
             raise ValueError("stop strings need a decode_text function to read the completion text")
@@ -178,6 +183,9 @@ class VLLMEngine:
             json.dump(config, f)
         with torch.device("meta"):
             self._shapes = {n: tuple(p.shape) for n, p in Transformer(args).named_parameters()}
+        self.lora = lora
+        if lora is not None:
+            self._shapes.update(adapter_shapes(self._shapes, lora, args.n_layers))
         self._staging = self._staging_buffer(staging_mb)
         kv_bytes = kv_budget_bytes(slot_bytes(args, max_seq_len, dtype), max_batch_size, self.device, kv_cache_gb,
                                    kv_cache_fraction)
@@ -196,6 +204,8 @@ class VLLMEngine:
                 **memory, **(llm_options or {}),
             )
         self.llm.collective_rpc("tandem_open_staging", args=(self._staging.handle(),))
+        if lora is not None:
+            self.llm.collective_rpc("tandem_enable_lora", args=(lora.rank, lora.alpha, list(lora.targets), args.n_layers))
         self._plans: dict[tuple, tuple[int, list[torch.Tensor]]] = {}
         self._kv_released = False
         self._stale_prefix_cache = False
@@ -272,7 +282,8 @@ class VLLMEngine:
     def update_weights(self, buckets: Iterable[Iterable[WeightUpdate]], version: int) -> None:
         """Write (name, index, tensor) pieces into vLLM's parameters: `param[index] = tensor`,
         through the staging buffer, one worker RPC per buffer-full. A piece larger than the buffer
-        goes over in blocks of its first dimension."""
+        goes over in blocks of its first dimension. With LoRA, one more RPC merges the adapted
+        layers the pieces touched."""
         staged: list[StagedPiece] = []
         sources: list[torch.Tensor] = []
         used = 0
@@ -293,6 +304,8 @@ class VLLMEngine:
                     row += take
         if staged:
             self._flush(staged, sources)
+        if self.lora is not None:
+            self.llm.collective_rpc("tandem_merge_adapters")
         self._stale_prefix_cache = True
         self.version = version
 

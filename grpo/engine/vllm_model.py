@@ -22,8 +22,10 @@ from vllm import ModelRegistry
 from vllm.compilation.decorators import support_torch_compile
 from vllm.model_executor.layers.attention import Attention
 
+from grpo.engine.adapters import AdapterMerge
 from grpo.engine.vllm_staging import OpenedStaging, StagedPiece
 from model import ModelArgs, Transformer
+from model.lora import LoRASpec
 
 # The name the wrapper is registered under; the engine's config.json asks for it.
 ARCHITECTURE = "TandemForCausalLM"
@@ -101,22 +103,49 @@ class TandemWorkerExtension:
         """Map the rank's staging buffer (vllm_staging.py) into this process, once."""
         self._tandem_staging = OpenedStaging(handle)
         self._tandem_params = dict(self.model_runner.get_model().model.named_parameters())
-        self._tandem_plans: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        # plan id -> (targets, sources, adapted layers the plan writes into)
+        self._tandem_plans: dict[int, tuple[list[torch.Tensor], list[torch.Tensor], set[str]]] = {}
+        self._tandem_adapters: AdapterMerge | None = None
+
+    def tandem_enable_lora(self, rank: int, alpha: float, targets: list[str], n_layers: int) -> None:
+        """Take adapted layers' base weights and adapters from now on, and merge them into the
+        parameters in place (grpo/engine/adapters.py, the native engine's rule)."""
+        spec = LoRASpec(rank, alpha, tuple(targets))
+        self._tandem_adapters = AdapterMerge(self._tandem_params, spec, n_layers)
 
     def tandem_load_staged(self, plan_id: int, pieces: list[StagedPiece] | None) -> None:
-        """Copy a buffer-full of pieces into the parameters: `param[box] = staging[offset:][:numel]`.
+        """Copy a buffer-full of pieces into the parameters (an adapted layer's base weight and
+        adapters into the adapter merge's copies): `param[box] = staging[offset:][:numel]`.
         `pieces` describes the plan the first time it is used; later calls name it by its id.
         Returns when the copies are done, so that the rank may refill the buffer."""
         if pieces is not None:
-            staging = self._tandem_staging.tensor
-            targets = [self._tandem_params[name][tuple(slice(lo, hi) for lo, hi in box)] for name, box, _, _ in pieces]
-            sources = [staging[offset : offset + math.prod(shape)].view(shape) for _, _, offset, shape in pieces]
-            self._tandem_plans[plan_id] = (targets, sources)
-        targets, sources = self._tandem_plans[plan_id]
+            self._tandem_plans[plan_id] = self._tandem_plan(pieces)
+        targets, sources, adapted = self._tandem_plans[plan_id]
         with torch.no_grad():
             torch._foreach_copy_(targets, sources)
+        if adapted:
+            self._tandem_adapters.touch(adapted)
         if targets[0].is_cuda:
             torch.cuda.synchronize(targets[0].device)
+
+    def _tandem_plan(self, pieces: list[StagedPiece]) -> tuple[list[torch.Tensor], list[torch.Tensor], set[str]]:
+        staging, adapters = self._tandem_staging.tensor, self._tandem_adapters
+        targets, adapted = [], set()
+        for name, box, _, _ in pieces:
+            index = tuple(slice(lo, hi) for lo, hi in box)
+            if adapters is not None and adapters.owns(name):
+                targets.append(adapters.storage(name)[index])
+                adapted.add(name.rpartition(".")[0])
+            else:
+                targets.append(self._tandem_params[name][index])
+        sources = [staging[offset : offset + math.prod(shape)].view(shape) for _, _, offset, shape in pieces]
+        return targets, sources, adapted
+
+    def tandem_merge_adapters(self) -> None:
+        """Merge what the last sync brought into the adapted layers' parameters."""
+        self._tandem_adapters.merge()
+        if next(iter(self._tandem_params.values())).is_cuda:
+            torch.cuda.synchronize()
 
     def tandem_release_kv(self) -> int:
         """Unmap the physical pages of vLLM's "kv_cache" pool (the K/V tensors and the buffers
@@ -154,7 +183,7 @@ class TandemWorkerExtension:
         return torch.cuda.memory_reserved() - unmapped
 
     def tandem_close_staging(self) -> None:
-        self._tandem_params, self._tandem_plans = {}, {}
+        self._tandem_params, self._tandem_plans, self._tandem_adapters = {}, {}, None
         self._tandem_staging.close()
 
 

@@ -59,12 +59,16 @@ def run_loop(cfg: Config, run: Run, resume: Path | None = None, stop: GracefulSt
         _announce_mfu(run)
         _announce_trainable(run)
     with logger:
-        run.sync_weights(version=start_step, full=True)
+        full_sync_s = run.sync_weights(version=start_step, full=True)
+        if is_leader:
+            logger.say(f"weights to the generators: {run.weights.full_bytes / 1e9:.3g} GB in {full_sync_s:.2f} s; "
+                       f"then {run.weights.step_bytes / 1e9:.3g} GB after each step")
         if start_step == 0:
             first = evaluate(run)
             evals = {"first": first, "last": first}
             trained, total = run.parameter_counts
-            logger.log(0, {**first, "model/trainable_params": float(trained), "model/params": float(total)})
+            logger.log(0, {**first, "model/trainable_params": float(trained), "model/params": float(total),
+                           "weight_sync/full_s": full_sync_s, "weight_sync/full_bytes": float(run.weights.full_bytes)})
         elif start_step >= cfg.training.steps and is_leader:
             print(f"nothing to do: {resume} is at step {start_step} of training.steps = {cfg.training.steps}", flush=True)
         if async_steps is not None:

@@ -180,7 +180,7 @@ class Run:
 
             return VLLMEngine(self.args, **engine_options, kv_cache_fraction=gen.kv_cache_fraction,
                               staging_mb=cfg.parallelism.weight_bucket_mb, cuda_graphs=gen.cuda_graphs,
-                              compile=gen.compile)
+                              compile=gen.compile, lora=self.lora)
         return NativeEngine(
             self.args,
             **engine_options,

@@ -31,8 +31,10 @@ class WeightPush:
         self.full_shapes = {**shapes, **adapter_shapes(shapes, lora, args.n_layers)} if lora else shapes
         self.step_shapes = trained
         size = torch.empty((), dtype=dtype).element_size()
-        # Bytes one step's sync moves (in the engine's dtype): reported as weight_sync/bytes.
+        # Bytes one step's sync moves (in the engine's dtype): reported as weight_sync/bytes; and the
+        # whole policy's, which goes over at the start (weight_sync/full_bytes).
         self.step_bytes = sum(math.prod(s) for s in self.step_shapes.values()) * size
+        self.full_bytes = sum(math.prod(s) for s in self.full_shapes.values()) * size
         self.full, self.step = None, None
         if roles.split:
             layout = None
