@@ -3,7 +3,7 @@ reasoning-gym sums) through tandem, and optionally the same model, prompts and b
 TRL's `GRPOTrainer` in the same run, one JSON line each.
 
     python3 bench/real_model.py [--model models/SmolLM2-135M-Instruct] [--steps 25] [--engines native,vllm]
-                                [--trl] [--trl-vllm]
+                                [--trl] [--trl-vllm] [--lora-ranks 0,32 [--lora-lr 1e-4]]
     python3 bench/real_model.py --cpu      # the CPU variant, configs/smollm2_sums_cpu.toml
 
 tandem: `train_grpo.py --config configs/smollm2_sums.toml` on one GPU (colocated); reported: held-out
@@ -15,6 +15,9 @@ the same `reasoning_gym` reward; held-out greedy accuracy before and after from 
 same 256 held-out prompts. Where the two still differ: TRL's default linear LR decay against
 tandem's warmup + cosine, and TRL's default loss normalisation against tandem's `dapo`.
 `--trl-vllm` runs TRL as its users run it on one GPU: `use_vllm=True, vllm_mode="colocate"`.
+`--lora-ranks 0,32` runs each engine once per rank: 0 is full fine-tuning, R > 0 trains LoRA
+adapters of rank R on every projection (alpha = R, a scale of 1) at --lora-lr (LoRA's learning
+rate is commonly about 10x full fine-tuning's).
 """
 
 from __future__ import annotations
@@ -31,18 +34,23 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 
+PEAKS = ("memory/generate_peak_gb", "memory/train_peak_gb")
+
+
 def config_path(opts) -> Path:
     return REPO / "configs" / ("smollm2_sums_cpu.toml" if opts.cpu else "smollm2_sums.toml")
 
 
-def tandem(opts, engine: str = "native") -> dict:
+def tandem(opts, engine: str = "native", lora_rank: int = 0) -> dict:
     config = config_path(opts)
-    out = opts.workdir / f"tandem_{engine}"
+    out = opts.workdir / (f"tandem_{engine}" + (f"_lora{lora_rank}" if lora_rank else ""))
     nproc = 2 if opts.cpu else 1
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                str(REPO / "train_grpo.py"), "--config", str(config), f"--model.path={opts.model}",
                f"--training.steps={opts.steps}", f"--job.output_dir={out}", "--checkpoint.resume=none",
                "--metrics.progress_bar=false", f"--generation.engine={engine}"]
+    if lora_rank:
+        command += [f"--lora.rank={lora_rank}", f"--lora.alpha={lora_rank}", f"--optimizer.lr={opts.lora_lr}"]
     start = time.perf_counter()
     result = subprocess.run(command, cwd=REPO, stdout=sys.stderr)
     if result.returncode != 0:
@@ -51,13 +59,18 @@ def tandem(opts, engine: str = "native") -> dict:
     evals = [r for r in rows if "eval/accuracy" in r]
     steps = [r for r in rows if "time/step_s" in r]
     return dict(
-        impl="tandem", engine=engine, config=config.name, steps=opts.steps, wall_s=round(time.perf_counter() - start, 1),
+        impl="tandem", engine=engine, lora_rank=lora_rank, config=config.name, steps=opts.steps,
+        wall_s=round(time.perf_counter() - start, 1),
         accuracy_before=evals[0]["eval/accuracy"], accuracy_after=evals[-1]["eval/accuracy"],
         accuracy_curve=[(r["step"], r["eval/accuracy"]) for r in evals],
         reward_curve=[(r["step"], round(r["reward/mean"], 4)) for r in steps],
         step_s_median=round(statistics.median(r["time/step_s"] for r in steps[1:] or steps), 3),
         logprob_diff_mean=float(f"{statistics.mean(r['logprob_diff/mean'] for r in steps):.3g}"),
         logprob_diff_max=float(f"{max(r['logprob_diff/max'] for r in steps):.3g}"),
+        trainable_params=rows[0].get("model/trainable_params"),
+        **{f"{key.split('/')[1]}_max": max(r[key] for r in steps) for key in PEAKS if all(key in r for r in steps)},
+        weight_sync_bytes=steps[-1].get("weight_sync/bytes"),
+        weight_sync_s_median=float(f"{statistics.median(r['time/weight_sync_s'] for r in steps):.3g}"),
     )
 
 
@@ -147,20 +160,24 @@ def main() -> None:
                         help="also run TRL's GRPOTrainer with use_vllm=True, vllm_mode='colocate' (needs trl and vllm)")
     parser.add_argument("--engines", default="native", help="tandem's generation engines to run, comma-separated")
     parser.add_argument("--cpu", action="store_true", help="the CPU variant (configs/smollm2_sums_cpu.toml)")
+    parser.add_argument("--lora-ranks", default="0",
+                        help="LoRA ranks to run each engine with, comma-separated (0 = full fine-tuning)")
+    parser.add_argument("--lora-lr", type=float, default=1e-4, help="the learning rate of the LoRA runs")
     opts = parser.parse_args()
     if not (opts.model / "config.json").is_file():
         raise SystemExit(f"{opts.model} is not a model folder; build it with: python scripts/get_smollm2.py")
     rows = []
     for engine in opts.engines.split(","):
-        rows.append(tandem(opts, engine))
-        print(json.dumps(rows[-1]), flush=True)
+        for lora_rank in (int(r) for r in opts.lora_ranks.split(",")):
+            rows.append(tandem(opts, engine, lora_rank))
+            print(json.dumps(rows[-1]), flush=True)
     for wanted, use_vllm in ((opts.trl, False), (opts.trl_vllm, True)):
         if not wanted:
             continue
         peer = trl_peer(opts, use_vllm)
         print(json.dumps(peer), flush=True)
-        ratios = {f"tandem_{r['engine']}_step_over_{peer['impl']}": round(r["step_s_median"] / peer["step_s_median"], 3)
-                  for r in rows}
+        ratios = {f"tandem_{r['engine']}{'_lora' if r['lora_rank'] else ''}_step_over_{peer['impl']}":
+                  round(r["step_s_median"] / peer["step_s_median"], 3) for r in rows}
         print(json.dumps(dict(bench="real_model_ratio", **ratios)), flush=True)
 
 
