@@ -1,7 +1,7 @@
 """The decode step's matmuls, one by one: as the engine runs them (a [1, M, K] activation through the
 compiled block halves; the head with fp32 output) against a plain 2-D `F.linear` with bf16 output, as
-vLLM runs them, in the same run. One JSON line per (matmul, batch, variant), with the cuBLAS kernel
-it ran and the bandwidth achieved on the weight's bytes.
+vLLM runs them, in the same run, each timed inside a CUDA graph. One JSON line per (matmul, batch,
+variant), with the cuBLAS kernel it ran and the bandwidth achieved on the weight's bytes.
 
     python3 bench/decode_matmuls.py [--shape 8b] [--batches 64,256]
 
@@ -22,7 +22,6 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.decode_attention import time_us  # noqa: E402
 from bench.generate import commit  # noqa: E402
 from bench.vllm_engines import SHAPES, VOCAB  # noqa: E402
 
@@ -42,6 +41,29 @@ def variants(name: str) -> dict:
     if name == "head":
         out["fp32_out"] = lambda x, w: torch.mm(x, w.t(), out_dtype=torch.float32)
     return out
+
+
+def graph_time_us(fn, reps: int) -> float:
+    """Microseconds per call of `fn`, `reps` calls captured in one CUDA graph and replayed, as the
+    engine's decode step runs them: GPU time only. (Timed from Python, a compiled call's host
+    dispatch outlasts these kernels and the figure would be the host's.)"""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1000 / reps
 
 
 def kernel_names(fn) -> list[str]:
@@ -69,7 +91,7 @@ def main() -> None:
             times = {}
             for variant, fn in variants(name).items():
                 call = lambda: fn(x, w)  # noqa: E731
-                times[variant] = time_us(call, opts.reps)
+                times[variant] = graph_time_us(call, opts.reps)
                 print(json.dumps(dict(base, matmul=name, k=k, n=n, batch=batch, variant=variant,
                                       us=round(times[variant], 1),
                                       weight_gbps=round(w.numel() * 2 / times[variant] / 1e3, 1),

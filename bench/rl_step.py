@@ -1,7 +1,7 @@
 """The realistic colocated RL step: a Qwen3-0.6B body on GSM8K-format prompts, one GPU.
 
     python3 bench/rl_step.py [--steps N] [--skip K] [--body 0.6b|8b] [-- extra train_grpo.py overrides]
-    python3 bench/rl_step.py --body 8b -- --lora.rank=32 --lora.alpha=32       # the 8B body with LoRA adapters
+    python3 bench/rl_step.py --body 8b -- --lora.rank=32 --lora.alpha=32 --model.activation_checkpointing=true   # 8B, LoRA
     python3 bench/rl_step.py --tiny --steps 2 -- --data.prompts_per_step=4 --generation.max_new_tokens=8   # CPU smoke test
 
 Builds (once, in --workdir) a random-weight bf16 HF checkpoint with the Qwen3-0.6B body (28 layers,
@@ -66,6 +66,9 @@ def build_checkpoint(folder: Path, body: dict[str, int]) -> Path:
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(str(folder))
+    # The run that follows is another process: hand the GPU memory back.
+    del model
+    torch.cuda.empty_cache()
     return folder
 
 
