@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+from tests.test_checkpoint_recovery import small_disk
 from tests.test_e2e import SHORT, launch, metrics
 
 # The demo's model starts from random weights, and its tied embedding / output head is most of
@@ -46,3 +47,18 @@ def test_lora_logprobs_are_bitwise_the_generators(tmp_path):
     for row in rows:
         assert row["logprob_diff/max"] == 0.0 and row["logprob_diff/exact_frac"] == 1.0
         assert math.isfinite(row["loss/policy"])
+
+
+def test_a_lora_run_needs_disk_for_its_adapters_not_the_whole_model(tmp_path):
+    """On a 1.2 MB disk a LoRA run saves its checkpoint (about 0.14 MB: the adapters and their AdamW
+    moments) and its HF export (0.5 MB): the space a checkpoint needs is counted from what trains,
+    not from the whole model's 1.5 MB of fp32 weights and moments. Step 0 logs the first sync:
+    the whole policy, adapters included."""
+    with small_disk(tmp_path / "small", "1200k") as disk:
+        run = launch([*SHORT, "--lora.rank=4", "--parallelism.mode=colocated", f"--job.output_dir={disk / 'run'}"],
+                     nproc=None)
+        assert run.returncode == 0, run.stderr[-3000:]
+        assert sorted(p.name for p in (disk / "run" / "checkpoints").iterdir()) == ["step_3"]
+        first = metrics(disk / "run")[0]
+    adapters = 2 * 4 * sum(i + o for i, o in [(64, 64), (64, 32), (64, 32), (64, 64), (64, 256), (64, 256), (256, 64)])
+    assert first["weight_sync/full_bytes"] == (124_032 + adapters) * 4

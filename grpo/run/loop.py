@@ -189,7 +189,7 @@ def _save(
             checkpoint_root(cfg.job.output_dir), step, run.trainer, run.trainer_group, run_state,
             roles.rank == roles.leader, cfg.checkpoint.keep,
             inflight=async_steps.inflight if async_steps is not None and roles.is_generator else None,
-            needed_bytes=checkpoint_bytes(run.shapes),
+            needed_bytes=checkpoint_bytes(run.trained_shapes),
         )
 
 
