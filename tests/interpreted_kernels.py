@@ -158,9 +158,6 @@ def check_silu_mul() -> None:
 CHECKS = {"matmul": check_matmul, "gumbel_sample": check_gumbel_sample, "silu_mul": check_silu_mul,
           "rms_norm": check_rms_norm, "attention": check_attention,
           "gradients": check_gradients,
-          # an engine batch of 1 with the whole batch in one training row; the first four prompts
-          # (one crosses a key block), since every sequence decodes alone
-          "pipeline_batch_1": lambda: check_pipeline(1, 4096, prompts=4),
           # an engine batch of 24 with a few episodes packed per training row
           "pipeline_batch_24": lambda: check_pipeline(24, 64, prompts=8)}
 

@@ -61,7 +61,7 @@ def test_nan_reward_stops_the_launch_naming_the_function(tmp_path):
 
 
 def test_a_stalled_rank_is_named_by_the_rank_waiting_for_it(tmp_path):
-    """The trainer spends 60 s in a reward call; the generator, waiting for the step's rewards with a
+    """The trainer spends 18 s in a reward call; the generator, waiting for the step's rewards with a
     10 s collective timeout (long enough for the ranks' start-up to differ on a busy host), stops and
     says whom it waited on."""
     result = launch(

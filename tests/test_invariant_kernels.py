@@ -38,7 +38,9 @@ def _interpreted_env() -> dict[str, str]:
     return {**launch_env(), "TRITON_INTERPRET": "1"}
 
 
-CHECKS = ["matmul", "gumbel_sample", "silu_mul", "rms_norm", "attention", "gradients", "pipeline_batch_1", "pipeline_batch_24"]
+# The interpreter is slow: one engine-against-trainer case (tests/test_bitwise.py runs them all on
+# the CPU reference) and one demo run, split, where the weights reach the engine over the wire.
+CHECKS = ["matmul", "gumbel_sample", "silu_mul", "rms_norm", "attention", "gradients", "pipeline_batch_24"]
 
 
 @pytest.fixture(scope="module")
@@ -54,12 +56,10 @@ def test_kernel_under_the_interpreter(interpreted_checks, check):
     assert f"{check}: ok" in interpreted_checks.splitlines(), interpreted_checks
 
 
-@pytest.mark.parametrize(("mode", "nproc"), [("colocated", None), ("split", 2)])
-def test_demo_on_the_interpreted_kernels_reports_exact_logprobs(tmp_path, mode, nproc):
+def test_demo_on_the_interpreted_kernels_reports_exact_logprobs(tmp_path):
     """Engine and trainer on the kernels (the start-up line says so), weights changing over 3 steps."""
-    args = [*SHORT, "--job.bitwise_logprobs=true", f"--parallelism.mode={mode}",
-            f"--job.output_dir={tmp_path}"]
-    run = subprocess.run(command(args, nproc), cwd=REPO, env=_interpreted_env(), capture_output=True, text=True,
+    args = [*SHORT, "--job.bitwise_logprobs=true", "--parallelism.mode=split", f"--job.output_dir={tmp_path}"]
+    run = subprocess.run(command(args, 2), cwd=REPO, env=_interpreted_env(), capture_output=True, text=True,
                          timeout=400)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "numerics: batch-invariant log-probs, invariant Triton kernels under Triton's interpreter" in run.stdout
