@@ -27,6 +27,7 @@ from grpo.train.checkpoint import CheckpointSaveError, Failure, export_hf, on_ev
 from grpo.train.checkpoint_folders import (
     MANIFEST,
     CheckpointDamaged,
+    check_matches,
     complete_checkpoints,
     damage,
     find_resume,
@@ -357,3 +358,15 @@ def test_the_start_up_check_names_what_does_not_fit(tmp_path):
         f"each new one is written before the oldest is deleted) and 1 HF export of about 4000.00 GB in '{tmp_path}': "
         "it needs about 40000.00 GB and "
     )
+
+
+def test_a_checkpoint_whose_metadata_is_garbage_is_named_in_one_line(tmp_path):
+    """A checkpoint from before manifests whose trainer/.metadata does not unpickle: resuming it
+    says which file, and what to do, in one line (it raised pickle's own error before)."""
+    older = _older_checkpoint(tmp_path / "checkpoints")
+    with pytest.raises(CheckpointDamaged) as raised:
+        check_matches(older, {"w": (2, 2)})
+    message = str(raised.value)
+    assert message.startswith(f"checkpoint {older} cannot be read: {older / 'trainer' / '.metadata'} is not checkpoint "
+                              "metadata (UnpicklingError: ")
+    assert "\n" not in message and message.endswith('or set checkpoint.resume = "none" to start afresh')

@@ -223,8 +223,17 @@ def saved_step(path: Path) -> int:
 
 
 def saved_shapes(path: Path) -> dict[str, tuple[int, ...]]:
-    """Parameter name -> shape of the policy saved in checkpoint `path`, read from DCP's metadata only."""
-    metadata = dcp.FileSystemReader(str(path / TRAINER_DIR)).read_metadata()
+    """Parameter name -> shape of the policy saved in checkpoint `path`, read from DCP's metadata only.
+    Metadata that does not unpickle (a checkpoint from before manifests, cut or overwritten) is
+    CheckpointDamaged, named in one line."""
+    try:
+        metadata = dcp.FileSystemReader(str(path / TRAINER_DIR)).read_metadata()
+    except Exception as error:  # unpickling garbage raises whatever the bytes lead pickle to
+        raise CheckpointDamaged(
+            f"checkpoint {path} cannot be read: {path / TRAINER_DIR / '.metadata'} is not checkpoint metadata "
+            f"({type(error).__name__}: {error}); move the folder aside to resume from an older one, or set "
+            "checkpoint.resume = \"none\" to start afresh"
+        ) from None
     prefix = f"{TRAINER_DIR}.model."
     return {
         key.removeprefix(prefix): tuple(meta.size)
