@@ -72,6 +72,9 @@ def slurm(tmp_path_factory):
         + "\n"
     )
     env = {**launch_env(), "SLURM_CONF": str(conf), "TANDEM_NPROC_PER_NODE": "2"}
+    # The job script calls `torchrun` as its users do, from the environment pytest runs in, whether
+    # or not that venv was activated.
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     subprocess.run(["slurmctld"], env=env, check=True)
     subprocess.run(["slurmd"], env=env, check=True)
     deadline = time.monotonic() + 60
