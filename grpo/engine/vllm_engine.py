@@ -205,7 +205,7 @@ class VLLMEngine:
             )
         self.llm.collective_rpc("tandem_open_staging", args=(self._staging.handle(),))
         if lora is not None:
-            self.llm.collective_rpc("tandem_enable_lora", args=(lora.rank, lora.alpha, list(lora.targets), args.n_layers))
+            self.llm.collective_rpc("tandem_enable_lora", args=(lora.rank, lora.alpha, list(lora.targets)))
         self._plans: dict[tuple, tuple[int, list[torch.Tensor]]] = {}
         self._kv_released = False
         self._stale_prefix_cache = False

@@ -107,10 +107,11 @@ class TandemWorkerExtension:
         self._tandem_plans: dict[int, tuple[list[torch.Tensor], list[torch.Tensor], set[str]]] = {}
         self._tandem_adapters: AdapterMerge | None = None
 
-    def tandem_enable_lora(self, rank: int, alpha: float, targets: list[str], n_layers: int) -> None:
+    def tandem_enable_lora(self, rank: int, alpha: float, targets: list[str]) -> None:
         """Take adapted layers' base weights and adapters from now on, and merge them into the
         parameters in place (grpo/engine/adapters.py, the native engine's rule)."""
         spec = LoRASpec(rank, alpha, tuple(targets))
+        n_layers = self.model_runner.get_model().model.args.n_layers
         self._tandem_adapters = AdapterMerge(self._tandem_params, spec, n_layers)
 
     def tandem_load_staged(self, plan_id: int, pieces: list[StagedPiece] | None) -> None:
