@@ -176,7 +176,7 @@ def main() -> None:
             continue
         peer = trl_peer(opts, use_vllm)
         print(json.dumps(peer), flush=True)
-        ratios = {f"tandem_{r['engine']}{'_lora' if r['lora_rank'] else ''}_step_over_{peer['impl']}":
+        ratios = {f"tandem_{r['engine']}{'_lora' + str(r['lora_rank']) if r['lora_rank'] else ''}_step_over_{peer['impl']}":
                   round(r["step_s_median"] / peer["step_s_median"], 3) for r in rows}
         print(json.dumps(dict(bench="real_model_ratio", **ratios)), flush=True)
 
