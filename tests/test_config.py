@@ -208,6 +208,13 @@ def test_env_settings_are_checked_before_the_launch():
     assert cfg.max_episode_tokens == cfg.env.max_tokens
 
 
+def test_profile_step_must_be_a_sync_step_of_the_run():
+    assert "1..training.steps = 4" in error("--training.steps=4", "--metrics.profile_step=5")
+    assert error("--metrics.profile_step=-1").startswith("metrics.profile_step")
+    assert 'training.schedule = "sync"' in error("--metrics.profile_step=1", "--training.schedule=async")
+    assert load("--training.steps=4", "--metrics.profile_step=4").metrics.profile_step == 4
+
+
 def test_minibatches_must_divide_prompts():
     message = error("--data.prompts_per_step=16", "--grpo.minibatches=3")
     assert "grpo.minibatches = 3" in message and "divisor of 16" in message

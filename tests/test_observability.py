@@ -32,12 +32,13 @@ def test_metrics_of_two_ranks_equal_those_of_one(tmp_path):
     assert step_two["time/step_s"] >= step_two["time/train_s"]
 
 
-def test_split_run_writes_samples_tensorboard_and_report(tmp_path):
-    """Split 1 + 1 with TensorBoard and samples every step: samples.jsonl holds whole groups with
-    rewards and advantages, the event files hold the JSONL's scalars, the report PNG has its panels."""
+def test_split_run_writes_samples_tensorboard_profile_and_report(tmp_path):
+    """Split 1 + 1 with TensorBoard, samples every step and step 2 profiled: samples.jsonl holds
+    whole groups with rewards and advantages, the event files hold the JSONL's scalars, each rank's
+    profile covers its own phases, the report PNG has its panels."""
     result = launch(
         [*SHORT, "--parallelism.mode=split", "--metrics.tensorboard=true", "--metrics.samples_every=1",
-         "--metrics.samples_prompts=1", f"--job.output_dir={tmp_path}"],
+         "--metrics.samples_prompts=1", "--metrics.profile_step=2", f"--job.output_dir={tmp_path}"],
         nproc=2,
     )
     assert result.returncode == 0, result.stderr[-3000:]
@@ -64,7 +65,29 @@ def test_split_run_writes_samples_tensorboard_and_report(tmp_path):
             assert scalars[step] == pytest.approx(value, rel=1e-6), (key, step)
     assert "time/generator_idle_s" in rows[1] and "time/trainer_idle_s" in rows[1]
 
+    check_profile(tmp_path / "profile", rows[2], result.stdout)
+
     report = tmp_path / "report.png"
     assert f"report: {report}" in result.stdout
     assert report.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert len(build_figure(read_records(tmp_path / "metrics.jsonl")).axes) >= 4
+
+
+def check_profile(folder, step_row: dict, stdout: str) -> None:
+    """Rank 0 generates, rank 1 trains: only the trainer's train table holds backward ops, and its
+    profiled wall time lies inside the step's measured training time."""
+    assert f"step 2 profiled, phase by phase: {folder}" in stdout
+    names = {p.name for p in folder.iterdir()}
+    for rank in (0, 1):
+        for phase in ("generate", "score", "weight_sync"):
+            assert {f"step2_rank{rank}_{phase}.txt", f"step2_rank{rank}_{phase}.json"} <= names, (rank, phase)
+    assert "step2_rank0_train.txt" not in names
+    train = (folder / "step2_rank1_train.txt").read_text()
+    header = train.splitlines()[0]
+    assert header.startswith("train: wall ") and header.endswith("(CPU: host ops only)")
+    wall_ms = float(header.split()[2])
+    assert 0 < wall_ms <= step_row["time/train_s"] * 1e3
+    assert "Backward" in train and "aten::mm" in train
+    assert "Backward" not in (folder / "step2_rank0_generate.txt").read_text()
+    trace = json.loads((folder / "step2_rank1_train.json").read_text())
+    assert any("Backward" in event.get("name", "") for event in trace["traceEvents"])

@@ -275,11 +275,19 @@ def _check_checkpoint(cfg: Config) -> None:
 
 
 def _check_metrics(cfg: Config) -> None:
-    """[metrics]: samples and the MFU peak."""
+    """[metrics]: samples, the MFU peak and the profiled step."""
     mt = cfg.metrics
     require(mt.samples_every >= 0, "metrics.samples_every", mt.samples_every, "must be >= 0 (0 = never)")
     require(mt.samples_prompts >= 1, "metrics.samples_prompts", mt.samples_prompts, "must be >= 1")
     require(mt.peak_tflops >= 0, "metrics.peak_tflops", mt.peak_tflops, "must be >= 0 (0 = built-in table)")
+    require(
+        0 <= mt.profile_step <= cfg.training.steps, "metrics.profile_step", mt.profile_step,
+        f"must be a step of this run, 1..training.steps = {cfg.training.steps} (0 = never)",
+    )
+    require(
+        mt.profile_step == 0 or cfg.training.schedule == "sync", "metrics.profile_step", mt.profile_step,
+        'needs training.schedule = "sync": the async schedule overlaps phases of different steps',
+    )
     for flag, package in (("tensorboard", "tensorboard"), ("wandb", "wandb")):
         if getattr(mt, flag) and importlib.util.find_spec(package) is None:
             raise ConfigError(f"metrics.{flag} = true needs the {package} package: pip install {package}")

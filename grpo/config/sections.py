@@ -346,6 +346,8 @@ class MetricsConfig:
     samples_prompts: int = 2
     # peak accelerator TFLOP/s per rank for MFU; 0 = the built-in table for the device (no MFU where it has no entry)
     peak_tflops: float = 0.0
+    # profile RL step N, phase by phase: kernel tables and Chrome traces to <job.output_dir>/profile; 0 = never
+    profile_step: int = 0
 
 
 @dataclass

@@ -19,6 +19,7 @@ from grpo.distributed.faults import GracefulStop, restart_count
 from grpo.distributed.preflight import StartupError, check_checkpoints
 from grpo.errors import TandemError
 from grpo.observe.metrics import MetricsLogger
+from grpo.observe.profile import StepProfiler
 from grpo.observe.report import render_report
 from grpo.run.async_step import AsyncSteps
 from grpo.run.rank import Run, RunAborted, TrainingDiverged
@@ -73,7 +74,8 @@ def run_loop(cfg: Config, run: Run, resume: Path | None = None, stop: GracefulSt
             print(f"nothing to do: {resume} is at step {start_step} of training.steps = {cfg.training.steps}", flush=True)
         if async_steps is not None:
             async_steps.prime(start_step, inflight)
-        take_step = functools.partial(sync_step, run) if async_steps is None else async_steps.step
+        profiler = StepProfiler(cfg.job.output_dir, cfg.metrics.profile_step, run.roles.rank, run.device)
+        take_step = functools.partial(sync_step, run, profiler=profiler) if async_steps is None else async_steps.step
         for step in range(start_step + 1, cfg.training.steps + 1):
             metrics, samples = take_step(step, with_samples=_every(cfg.metrics.samples_every, step))
             if samples:
@@ -85,6 +87,8 @@ def run_loop(cfg: Config, run: Run, resume: Path | None = None, stop: GracefulSt
             boundary = _step_boundary(run, stop, metrics)
             bad_steps = bad_steps + 1 if boundary["skipped"] else 0
             logger.log(step, metrics)
+            if step == cfg.metrics.profile_step and is_leader:
+                logger.say(f"step {step} profiled, phase by phase: {profiler.folder}")
             if boundary["skipped"] and is_leader:
                 logger.say(f"step {step}: update skipped: {run.trainer.last_skip_reason}", file=sys.stderr)
             if last_step or _every(cfg.checkpoint.export_hf_every, step):

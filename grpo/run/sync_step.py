@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from grpo.data.prompt import Prompt
 from grpo.distributed.collectives import all_reduce
+from grpo.observe.profile import StepProfiler
 from grpo.rollout.episode import EpisodeBatch, concat_episodes
 from grpo.run.rank import Run
 
@@ -62,7 +63,7 @@ class _Rounds:
     memory: dict[str, float] = field(default_factory=dict)  # peak device memory (GB) per phase
 
 
-def _generate_rounds(run: Run, step: int) -> _Rounds:
+def _generate_rounds(run: Run, step: int, profiler: StepProfiler) -> _Rounds:
     """Generate, score and compute advantages for the step's prompts: one round, or with dynamic
     sampling rounds of fresh prompts until data.prompts_per_step groups survive the zero-variance
     filter (or the rounds run out). Surplus groups of the last round are dropped in prompt order."""
@@ -72,17 +73,18 @@ def _generate_rounds(run: Run, step: int) -> _Rounds:
         out.count = round_index + 1
         prompts = run.source.train_prompts(step, target, round_index)
         out.prompts.update((p.index, p) for p in prompts)
-        with run.peak_memory("memory/generate_peak_gb", out.memory):
+        with run.peak_memory("memory/generate_peak_gb", out.memory), profiler.phase(step, "generate"):
             episodes, seconds = run.collect_episodes(prompts, G, step)
         out.generate_s += seconds
         score_start = time.perf_counter()
-        for name, total in run.score(episodes, prompts).items():
-            out.reward_sums[name] = out.reward_sums.get(name, 0.0) + total
-        if run.roles.is_trainer:
-            out.generated.append(episodes)
-            episodes, dropped = run.advantages(episodes)
-            out.filtered += dropped
-            out.kept.append(episodes)
+        with profiler.phase(step, "score"):
+            for name, total in run.score(episodes, prompts).items():
+                out.reward_sums[name] = out.reward_sums.get(name, 0.0) + total
+            if run.roles.is_trainer:
+                out.generated.append(episodes)
+                episodes, dropped = run.advantages(episodes)
+                out.filtered += dropped
+                out.kept.append(episodes)
         out.score_s += time.perf_counter() - score_start
         local_groups = len(out.kept[-1]) // G if run.roles.is_trainer else 0
         round_groups = int(run.agree(float(local_groups), dist.ReduceOp.SUM))
@@ -96,23 +98,28 @@ def _generate_rounds(run: Run, step: int) -> _Rounds:
     return out
 
 
-def sync_step(run: Run, step: int, with_samples: bool = False) -> tuple[dict[str, float], list[dict]]:
+def sync_step(
+    run: Run, step: int, with_samples: bool = False, profiler: StepProfiler | None = None
+) -> tuple[dict[str, float], list[dict]]:
     """One RL step; returns the step's metrics on trainer ranks ({} on generator-only ranks) and,
     when asked, a few of this rank's episodes as readable samples. Every step trains on the same
-    number of groups (see `_generate_rounds`)."""
+    number of groups (see `_generate_rounds`). `profiler` profiles the step's phases if it is the
+    profiled step."""
+    profiler = profiler or StepProfiler(run.cfg.job.output_dir, 0, run.roles.rank, run.device)
     start = time.perf_counter()
-    rounds = _generate_rounds(run, step)
+    rounds = _generate_rounds(run, step, profiler)
     if not run.roles.split and run.cfg.generation.release_kv_cache:
         run.engine.release_cache()
     train_start = time.perf_counter()
     train_metrics = {}
     if run.roles.is_trainer:
         with run.waiting(f"the other {run.peers()[1]} (FSDP collectives)"):
-            with run.peak_memory("memory/train_peak_gb", rounds.memory):
+            with run.peak_memory("memory/train_peak_gb", rounds.memory), profiler.phase(step, "train"):
                 train_metrics = run.trainer.train(concat_episodes(rounds.kept, run.tokenizer.pad_id))
             train_metrics.update(rounds.memory)
     train_end = time.perf_counter()
-    sync_s = run.sync_weights(step)
+    with profiler.phase(step, "weight_sync"):
+        sync_s = run.sync_weights(step)
     if not run.roles.is_trainer:
         return {}, []
     episodes = concat_episodes(rounds.generated, run.tokenizer.pad_id)

@@ -1,0 +1,62 @@
+"""One RL step under torch.profiler, phase by phase (`metrics.profile_step`).
+
+Each phase of the chosen step (generate, score, train, weight_sync) runs under its own profiler, so
+each gets its own kernel table: <job.output_dir>/profile/step<N>_rank<R>_<phase>.txt, headed by
+the phase's wall time and the device's busy time in it (busy well below wall: the host sets the
+pace), and a Chrome trace of the same events next to it (.json, for chrome://tracing or Perfetto).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
+
+# Kernel-table rows written per phase: enough to cover every kernel of a decoder block and the head.
+TABLE_ROWS = 60
+
+
+class StepProfiler:
+    """Profiles the phases of one step (`step`); inert on every other step."""
+
+    def __init__(self, output_dir: str | Path, profile_step: int, rank: int, device: torch.device):
+        self.folder = Path(output_dir) / "profile"
+        self.profile_step, self.rank, self.device = profile_step, rank, device
+
+    @contextlib.contextmanager
+    def phase(self, step: int, name: str) -> Iterator[None]:
+        """Profile the block as phase `name` of `step` when step is the profiled one."""
+        if step != self.profile_step:
+            yield
+            return
+        activities = [ProfilerActivity.CPU]
+        if self.device.type == "cuda":
+            activities.append(ProfilerActivity.CUDA)
+        with profile(activities=activities) as prof:
+            start = time.perf_counter()
+            yield
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            wall = time.perf_counter() - start
+        self._write(prof, f"step{step}_rank{self.rank}_{name}", name, wall)
+
+    def _write(self, prof: profile, stem: str, name: str, wall: float) -> None:
+        """The phase's table and trace; the header says how busy the device was."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        averages = prof.key_averages()
+        if self.device.type == "cuda":
+            # Kernels only, not the host ops that launched them.
+            busy = sum(e.self_device_time_total for e in averages if e.device_type == DeviceType.CUDA) / 1e6
+            header = f"{name}: wall {wall * 1e3:.1f} ms, device busy {busy * 1e3:.1f} ms ({busy / wall:.0%})\n"
+            sort_by = "self_cuda_time_total"
+        else:
+            header = f"{name}: wall {wall * 1e3:.1f} ms (CPU: host ops only)\n"
+            sort_by = "self_cpu_time_total"
+        table = averages.table(sort_by=sort_by, row_limit=TABLE_ROWS, max_name_column_width=90)
+        (self.folder / f"{stem}.txt").write_text(header + table, encoding="utf-8")
+        prof.export_chrome_trace(str(self.folder / f"{stem}.json"))
