@@ -197,27 +197,45 @@ def suffix_prefill(
 
 
 def slot_decode(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor,
+    share_slots: torch.Tensor | None = None, share_lens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [B, H, D] (one query per row) against cache slots -> [B, H, D].
 
     k_cache / v_cache [S, L, Hkv, D]: slot s holds its sequence's keys at positions 0..L-1.
     slots [B] int64: each row's slot; lengths [B] int32: the live keys of each row (its query's
     position + 1). Rows may sit in any slot at any length.
+    share_slots [B] int64 / share_lens [B] int32 (optional, together): row b reads its first
+    share_lens[b] keys from slot share_slots[b] instead, which holds the same values there (a prompt
+    prefilled once for several rows); reading one copy for many rows saves memory traffic.
     """
+    if share_slots is None:
+        share_slots, share_lens = slots, lengths
     if batch_invariant.enabled():
         if batch_invariant.uses_kernels(q):
-            return batch_invariant.kernel_slot_attention(q, k_cache, v_cache, slots, lengths)
-        return batch_invariant.slot_attention(q, k_cache, v_cache, slots, lengths)
+            return batch_invariant.kernel_slot_attention(q, k_cache, v_cache, slots, lengths, share_slots, share_lens)
+        keys, values = _slot_keys(k_cache, v_cache, slots, share_slots, share_lens)
+        return batch_invariant.slot_attention(q, keys, values, lengths)
     if uses_flash(q):
         # Imported here: Triton exists only where CUDA does.
         from model.invariant_kernels import slot_attention
 
-        return slot_attention(q, k_cache, v_cache, slots, lengths)
-    L, Hkv = k_cache.shape[1], k_cache.shape[2]
-    keys, values = k_cache[slots].transpose(1, 2), v_cache[slots].transpose(1, 2)  # [B, Hkv, L, D]
-    live = (torch.arange(L, device=q.device)[None, :] < lengths[:, None])[:, None, None, :]
+        return slot_attention(q, k_cache, v_cache, slots, lengths, share_slots, share_lens)
+    keys, values = _slot_keys(k_cache, v_cache, slots, share_slots, share_lens)
+    live = (torch.arange(keys.shape[1], device=q.device)[None, :] < lengths[:, None])[:, None, None, :]
     out = F.scaled_dot_product_attention(
-        q[:, :, None], keys, values, attn_mask=live, enable_gqa=q.shape[1] != Hkv
+        q[:, :, None], keys.transpose(1, 2), values.transpose(1, 2), attn_mask=live, enable_gqa=q.shape[1] != keys.shape[2]
     )
     return out[:, :, 0]
+
+
+def _slot_keys(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, share_slots: torch.Tensor,
+    share_lens: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's keys and values [B, L, Hkv, D], its first share_lens[b] positions read from its share slot."""
+    L = k_cache.shape[1]
+    shared = torch.arange(L, device=slots.device)[None, :] < share_lens[:, None]
+    source = torch.where(shared, share_slots[:, None], slots[:, None])  # [B, L]
+    position = torch.arange(L, device=slots.device).expand_as(source)
+    return k_cache[source, position], v_cache[source, position]

@@ -136,9 +136,9 @@ def kernel_packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
 
 
 def kernel_slot_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                          lengths: torch.Tensor) -> torch.Tensor:
+                          lengths: torch.Tensor, share_slots: torch.Tensor, share_lens: torch.Tensor) -> torch.Tensor:
     """Invariant single-query attention against cache slots (invariant_kernels.slot_attention)."""
-    return _state["ops"].kernels.slot_attention(q, k_cache, v_cache, slots, lengths)
+    return _state["ops"].kernels.slot_attention(q, k_cache, v_cache, slots, lengths, share_slots, share_lens)
 
 
 def in_blocks(fn: Callable[..., torch.Tensor | tuple], *tokens: torch.Tensor, rows: int = 1) -> torch.Tensor | tuple:
@@ -225,12 +225,11 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: 
     return torch.cat([causal_attention(q[a:b], 0, k[a:b], v[a:b]) for a, b in zip(bounds[:-1], bounds[1:])])
 
 
-def slot_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor
-) -> torch.Tensor:
-    """One query per row against its cache slot (model.attention.slot_decode's contract): row b's
-    query sits at position lengths[b] - 1 and attends to the slot's first lengths[b] keys."""
+def slot_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """One query per row against its own keys and values [B, L, Hkv, D] (gathered from the cache
+    by model.attention.slot_decode): row b's query sits at position lengths[b] - 1 and attends to
+    its first lengths[b] keys."""
     rows = []
-    for b, (slot, length) in enumerate(zip(slots.tolist(), lengths.tolist())):
-        rows.append(causal_attention(q[b : b + 1], length - 1, k_cache[slot, :length], v_cache[slot, :length]))
+    for b, length in enumerate(lengths.tolist()):
+        rows.append(causal_attention(q[b : b + 1], length - 1, keys[b, :length], values[b, :length]))
     return torch.cat(rows)

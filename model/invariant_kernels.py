@@ -167,7 +167,7 @@ def _packed_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_seqlens, scale,
 
 
 @triton.jit
-def _slot_kernel(q_ptr, k_ptr, v_ptr, out_ptr, slots_ptr, lengths_ptr, scale,
+def _slot_kernel(q_ptr, k_ptr, v_ptr, out_ptr, slots_ptr, lengths_ptr, share_slots_ptr, share_lens_ptr, scale,
                  stride_qb, stride_qh, stride_ks, stride_kl, stride_kh, stride_ob, stride_oh,
                  G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  PRECISION: tl.constexpr):
@@ -175,20 +175,25 @@ def _slot_kernel(q_ptr, k_ptr, v_ptr, out_ptr, slots_ptr, lengths_ptr, scale,
     kv_head = tl.program_id(1)
     slot = tl.load(slots_ptr + row).to(tl.int64)
     length = tl.load(lengths_ptr + row)
+    share_slot = tl.load(share_slots_ptr + row).to(tl.int64)
+    share_len = tl.load(share_lens_ptr + row)
     g = tl.arange(0, BLOCK_M)
     d = tl.arange(0, D)
     heads = kv_head * G + g
     q = tl.load(q_ptr + row * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=g[:, None] < G, other=0.0)
-    k_base = k_ptr + slot * stride_ks + kv_head * stride_kh
-    v_base = v_ptr + slot * stride_ks + kv_head * stride_kh
+    head_offset = kv_head * stride_kh + d[None, :]
     m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, D), tl.float32)
     for key_start in range(0, length, BLOCK_N):
         n = key_start + tl.arange(0, BLOCK_N)
         keys_live = n < length
-        k = tl.load(k_base + n[:, None] * stride_kl + d[None, :], mask=keys_live[:, None], other=0.0)
-        v = tl.load(v_base + n[:, None] * stride_kl + d[None, :], mask=keys_live[:, None], other=0.0)
+        # Keys below share_len hold the same bits in share_slot as in this row's slot: rows that
+        # share a prompt read one copy of it, which the programs running side by side find in L2.
+        source = tl.where(n < share_len, share_slot, slot)
+        offsets = source[:, None] * stride_ks + n[:, None] * stride_kl + head_offset
+        k = tl.load(k_ptr + offsets, mask=keys_live[:, None], other=0.0)
+        v = tl.load(v_ptr + offsets, mask=keys_live[:, None], other=0.0)
         live = tl.broadcast_to(keys_live[None, :], (BLOCK_M, BLOCK_N))  # every head row sees the same keys
         m, l, acc = _attend_block(q, k, v, live, m, l, acc, scale, PRECISION)
     out = acc / l[:, None]
@@ -226,9 +231,15 @@ def slot_attention_unsupported(n_heads: int, n_kv_heads: int, head_dim: int) -> 
 
 
 def slot_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                   lengths: torch.Tensor) -> torch.Tensor:
+                   lengths: torch.Tensor, share_slots: torch.Tensor | None = None,
+                   share_lens: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, H, D] against k_cache / v_cache [S, L, Hkv, D]: row b's query sits at position
-    lengths[b] - 1 of slot slots[b] and attends to its first lengths[b] keys -> [B, H, D]."""
+    lengths[b] - 1 of slot slots[b] and attends to its first lengths[b] keys -> [B, H, D].
+
+    share_slots [B] int64 / share_lens [B] int32 (optional, together): row b reads its first
+    share_lens[b] keys from slot share_slots[b], which must hold the same values there."""
+    if share_slots is None:
+        share_slots, share_lens = slots, lengths
     B, H, D = q.shape
     Hkv = k_cache.shape[2]
     problem = slot_attention_unsupported(H, Hkv, D)
@@ -239,7 +250,7 @@ def slot_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     if B == 0:
         return out
     _slot_kernel[(B, Hkv)](
-        q, k_cache, v_cache, out, slots, lengths, D**-0.5,
+        q, k_cache, v_cache, out, slots, lengths, share_slots, share_lens, D**-0.5,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), out.stride(0), out.stride(1),
         G=H // Hkv, D=D, BLOCK_M=ATTENTION_BLOCK_M, BLOCK_N=ATTENTION_BLOCK_N,
         PRECISION=_precision(q), num_warps=ATTENTION_WARPS, num_stages=ATTENTION_DECODE_STAGES,

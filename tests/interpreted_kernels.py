@@ -78,6 +78,18 @@ def check_attention() -> None:
                                      torch.tensor(positions, dtype=torch.int32) + 1)
     assert torch.equal(decoded, packed[rows])
 
+    # Sequence 1 again from a slot whose first 40 keys are NaN, which reads those from a reader
+    # slot whose other keys are NaN (a shared prompt; the boundary falls inside a key block).
+    reader, own = len(lengths), len(lengths) + 1
+    k_two, v_two = (torch.cat([c, c[1:2], c[1:2]]) for c in (k_cache, v_cache))
+    for c in (k_two, v_two):
+        c[reader, 40:], c[own, :40] = float("nan"), float("nan")
+    a, b = bounds[1], bounds[2]
+    n = b - a
+    shared = kernels.slot_attention(q[a:b], k_two, v_two, torch.full((n,), own), torch.arange(1, n + 1, dtype=torch.int32),
+                                    torch.full((n,), reader), torch.full((n,), 40, dtype=torch.int32))
+    assert torch.equal(shared, packed[a:b])
+
 
 def check_gradients() -> None:
     g = torch.Generator().manual_seed(3)

@@ -97,6 +97,25 @@ def test_shared_prefill_runs_each_prompt_once(ref):
         assert sum(seen) == expected
 
 
+def test_a_prefill_call_counts_each_shared_prompt_once(ref):
+    """prefill_tokens bounds the tokens a prefill call computes: with shared prompts, the samples
+    of the first two prompts fit one call of their two prompts' tokens, the third prompt another."""
+    sampling = SamplingParams(max_new_tokens=4, temperature=1.0)
+    first, second, _ = (len(p) for p in prompts(3, seed=11))
+    engine = make_engine(ref, sampling, seed=1, prefill_tokens=first + second)
+    calls = []
+    decode = engine.model.decode
+
+    def counting(tokens, positions, attend, logits_index=None):
+        if logits_index is not None:
+            calls.append(tokens.numel())
+        return decode(tokens, positions, attend, logits_index)
+
+    engine.model.decode = counting
+    engine.generate(_requests(3, samples=5))
+    assert calls == [first + second, sum(len(p) for p in prompts(3, seed=11)) - first - second]
+
+
 def test_kv_budget_is_never_exceeded(ref):
     max_len = 24
     per_slot = slot_bytes(ARGS, max_len, torch.float32)
@@ -170,3 +189,54 @@ def test_released_cache_comes_back_with_the_same_slots_and_completions(ref, max_
     again = released.generate(_requests(5, 2))
     assert released.cache is cache and not cache.kv_released and len(cache.k) == ARGS.n_layers
     _same(again, kept.generate(_requests(5, 2)))
+
+
+def test_rows_of_a_group_read_their_prompt_from_one_slot(ref, monkeypatch):
+    """With the other members' copies of a shared prompt's K/V made NaN right after the prefill,
+    every completion is what it was: decode read the prompt from the group's reader slot only."""
+    from grpo.engine.shares import PrefixShares
+
+    sampling = SamplingParams(max_new_tokens=6, temperature=1.0)
+    reqs = _requests(3, samples=4)
+    want = make_engine(ref, sampling, seed=3, eos_ids=()).generate(reqs)
+    prefilled, poisoned = PrefixShares.prefilled, []
+
+    def poison_followers(shares, slots, prompt_list, shared):
+        prefilled(shares, slots, prompt_list, shared)
+        c = shares.cache
+        for slot in slots:
+            reader, length = int(c.share_slot[slot]), int(c.share_len[slot])
+            if reader != slot:
+                poisoned.append(slot)
+                for k, v in zip(c.k, c.v):
+                    k[slot, :length] = float("nan")
+                    v[slot, :length] = float("nan")
+
+    monkeypatch.setattr(PrefixShares, "prefilled", poison_followers)
+    # Equal budgets and no EOS: every sequence ends at once, so no reader leaves its group early.
+    _same(make_engine(ref, sampling, seed=3, eos_ids=()).generate(reqs), want)
+    assert len(poisoned) == 3 * 3
+
+
+def test_a_group_moves_to_a_live_slot_when_its_reader_leaves():
+    """PrefixShares against hand-worked slot tables: equal prompts prefilled together read the
+    lowest slot of their group; when it leaves, the rest read the next one; others read their own."""
+    from grpo.engine.cache import SlotCache
+    from grpo.engine.shares import PrefixShares
+
+    cache = SlotCache(ARGS, num_slots=8, max_len=16, dtype=torch.float32, device=torch.device("cpu"))
+    shares = PrefixShares(cache)
+    a, b = [1, 2, 3], [4, 5]
+    shares.prefilled([5, 2, 7, 3], [a, a, b, a], shared=True)
+    shares.appended([6])
+    assert cache.share_slot.tolist() == [0, 1, 2, 2, 4, 2, 6, 7, 8]
+    assert cache.share_len.tolist() == [0, 0, 3, 3, 0, 3, 0, 0, 0]
+    shares.leave([2, 7])
+    assert cache.share_slot[[3, 5, 6]].tolist() == [3, 3, 6]
+    assert cache.share_len[[3, 5]].tolist() == [3, 3]
+    shares.leave([3])
+    assert int(cache.share_slot[5]) == 5
+    shares.prefilled([0, 1], [a, a], shared=False)
+    assert cache.share_slot[[0, 1]].tolist() == [0, 1] and cache.share_len[[0, 1]].tolist() == [0, 0]
+    shares.reset()
+    assert cache.share_slot.tolist() == list(range(9)) and not cache.share_len.any()

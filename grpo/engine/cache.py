@@ -77,6 +77,10 @@ class SlotCache:
         # Completion tokens and log-probs per slot, written in place as they are drawn.
         self.out_tokens = torch.zeros((n, max_len), dtype=torch.int64, device=device)
         self.out_logprobs = torch.zeros((n, max_len), dtype=torch.float32, device=device)
+        # Per slot: the slot whose copy of the shared prompt K/V decode reads (itself, or the slot
+        # of another live sequence of its group prefilled with it), and that prompt's length.
+        self.share_slot = torch.arange(n, dtype=torch.int64, device=device)
+        self.share_len = torch.zeros(n, dtype=torch.int32, device=device)
 
     def release_kv(self) -> None:
         """Free the K/V buffers' memory (their contents are lost) until restore_kv()."""
@@ -166,14 +170,15 @@ class SlotCache:
     def decode_attention(self, slots: torch.Tensor, positions: torch.Tensor):
         """attend() for one decode step: row b's token sits at positions[b] of slot slots[b]
         (both [B] int64); its K/V are stored there and it attends over the slot's first
-        positions[b] + 1 keys."""
+        positions[b] + 1 keys, the shared prompt's read from share_slot (PrefixShares)."""
         write_target = slots * self.max_len + positions
         lengths = (positions + 1).to(torch.int32)
+        share_slots, share_lens = self.share_slot[slots], self.share_len[slots]
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             k_flat, v_flat = self.flat(layer)
             k_flat.index_copy_(0, write_target, k)
             v_flat.index_copy_(0, write_target, v)
-            return slot_decode(q, self.k[layer], self.v[layer], slots, lengths)
+            return slot_decode(q, self.k[layer], self.v[layer], slots, lengths, share_slots, share_lens)
 
         return attend

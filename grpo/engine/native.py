@@ -33,6 +33,8 @@ from grpo.engine.decode import DecodeStep
 from grpo.engine.kept import KeptKV, request_key
 from grpo.engine.prefill import prefill_appended, prefill_prompts
 from grpo.engine.sampling import request_keys, sample, vocab_hash
+from grpo.engine.schedule import admission_round, steps_to_check
+from grpo.engine.shares import PrefixShares
 from grpo.engine.types import (
     Completion,
     EngineCapacityError,
@@ -169,6 +171,7 @@ class NativeEngine:
     def _build_cache(self, max_seq_len: int, num_slots: int) -> None:
         """The cache of num_slots slots and the decode step over it."""
         self.cache = SlotCache(self.args, num_slots, max_seq_len, self.dtype, self.device)
+        self.shares = PrefixShares(self.cache)
         self.decoder = DecodeStep(
             self.model, self.cache, self._sample, self._token_hash, self.eos_ids, num_slots, self.use_graphs
         )
@@ -297,6 +300,7 @@ class NativeEngine:
     def _drain(self, requests, keys, sp, waiting: deque, results: list) -> None:
         """Admit, decode and collect until every request in `waiting` has a completion."""
         limit = min(self.max_batch_size, self.cache.num_slots)
+        self.shares.reset()
         held = self.kept.slots() | {slot for slot, _ in self._resume.values()}
         free = [slot for slot in range(self.cache.num_slots) if slot not in held]
         active: dict[int, int] = {}  # slot -> request index
@@ -307,30 +311,23 @@ class NativeEngine:
         # prefill call has a fixed cost, so admitting one request per check would pay it too often.
         refill = max(1, limit // 4)
         while waiting or active:
-            admit: list[int] = []
-            tokens = 0
-            ready = limit - len(active) >= min(refill, len(waiting)) or not active
-            while ready and waiting and len(active) + len(admit) < limit:
-                length = len(requests[waiting[0]].prompt_tokens)
-                if admit and tokens + length > self.prefill_tokens:
+            if limit - len(active) >= min(refill, len(waiting)) or not active:
+                room = limit - len(active)
+                for admit in admission_round(waiting, requests, room, self.prefill_tokens, self.share_prefix):
                     self._admit(requests, keys, sp, admit, free, active, checked)
-                    admit, tokens = [], 0
-                admit.append(waiting.popleft())
-                tokens += length
-            if admit:
-                self._admit(requests, keys, sp, admit, free, active, checked)
             for slot, i in active.items():
                 # The first token comes from the prefill.
                 remaining.setdefault(slot, self._budget(requests[i], sp) - 1)
             self.peak_active = max(self.peak_active, len(active))
             self._in_flight = len(active)
-            steps = self._steps_to_check(remaining, limit - len(active), min(refill, len(waiting)))
+            steps = steps_to_check(remaining, limit - len(active), min(refill, len(waiting)), self.sync_every)
             self._decode_steps(sorted(active), sp, steps)
             for slot in active:
                 remaining[slot] = max(0, remaining[slot] - steps)
             ended = finished_completions(
                 self.cache, requests, active, checked, self.stop_strings, self.decode_text, self.version
             )
+            self.shares.leave(ended)
             for slot, result in ended.items():
                 results[active.pop(slot)] = result
                 del remaining[slot]
@@ -339,18 +336,6 @@ class NativeEngine:
                 else:
                     free.append(slot)
             free.sort()
-
-    def _steps_to_check(self, remaining: dict[int, int], free: int, round_size: int) -> int:
-        """Decode steps before the host next looks: at most sync_every, and no more than it takes
-        for budgets alone to free the slots of the next admission round (round_size requests wait,
-        free slots are free already) or, with nothing waiting, to finish every active sequence.
-        Stepping past either point would only run finished rows."""
-        ends = sorted(remaining.values())
-        if not ends:
-            return self.sync_every
-        needed = round_size - free
-        until = ends[needed - 1] if 0 < needed <= len(ends) else ends[-1]
-        return max(1, min(self.sync_every, until))
 
     def _slot_for(self, request: GenerationRequest, free: list[int]) -> tuple[int, int]:
         """The slot an admitted request takes, and how many of its prompt tokens it holds K/V for:
@@ -376,8 +361,10 @@ class NativeEngine:
             batch, slots = [requests[admit[j]] for j in group], [taken[j][0] for j in group]
             if appended:
                 logits = prefill_appended(self.model, self.cache, batch, slots, [taken[j][1] for j in group])
+                self.shares.appended(slots)
             else:
                 logits = prefill_prompts(self.model, self.cache, batch, slots, self.share_prefix)
+                self.shares.prefilled(slots, [r.prompt_tokens for r in batch], self.share_prefix)
             self._start(batch, keys[[admit[j] for j in group]], slots, logits, sp)
         for (slot, _), i in zip(taken, admit):
             active[slot] = i
