@@ -58,27 +58,31 @@ def pack_episodes(batch: EpisodeBatch, pad_id: int = 0, mask_truncated: bool = F
     unfinished answer).
     """
     input_lens = (batch.seq_lens - 1).tolist()
-    order = sorted(range(len(batch)), key=lambda i: -input_lens[i])
-    shape = (1, max(1, sum(input_lens)))
-    tokens = torch.full(shape, pad_id, dtype=torch.long)
-    targets = torch.full(shape, pad_id, dtype=torch.long)
-    positions = torch.zeros(shape, dtype=torch.long)
-    doc_ids = torch.full(shape, -1, dtype=torch.long)
-    loss_mask = torch.zeros(shape, dtype=torch.float32)
-    advantages = torch.zeros(shape, dtype=torch.float32)
-    gen_logprobs = torch.zeros(shape, dtype=torch.float32)
-    src_tokens, src_logprobs, src_mask = batch.tokens.cpu(), batch.gen_logprobs.cpu(), batch.loss_mask.cpu()
-    col = 0
-    for i in order:
-        n = input_lens[i]
-        span = slice(col, col + n)
-        tokens[0, span] = src_tokens[i, :n]
-        targets[0, span] = src_tokens[i, 1 : n + 1]
-        gen_logprobs[0, span] = src_logprobs[i, 1 : n + 1]
-        positions[0, span] = torch.arange(n)
-        doc_ids[0, span] = i
-        if not (mask_truncated and bool(batch.truncated[i])):
-            loss_mask[0, span] = src_mask[i, 1 : n + 1]
-        advantages[0, span] = float(batch.advantages[i])
-        col += n
-    return PackedRows(tokens, positions, doc_ids, targets, loss_mask, advantages, gen_logprobs)
+    order = torch.tensor(sorted(range(len(batch)), key=lambda i: -input_lens[i]), dtype=torch.long)
+    total = sum(input_lens)
+    if total == 0:
+        shape = (1, 1)
+        zeros = torch.zeros(shape, dtype=torch.float32)
+        pad = torch.full(shape, pad_id, dtype=torch.long)
+        return PackedRows(pad, torch.zeros(shape, dtype=torch.long), torch.full(shape, -1), pad.clone(), zeros,
+                          zeros.clone(), zeros.clone())
+    # One gather over the episodes in packing order: row r's first input_lens[r] columns, row by
+    # row, are exactly the episodes laid back to back.
+    tokens_in = batch.tokens.cpu()[order]
+    width = tokens_in.shape[1] - 1
+    lens = (batch.seq_lens.cpu() - 1)[order]
+    columns = torch.arange(width)
+    valid = columns[None, :] < lens[:, None]  # [B, T - 1]
+    loss_mask = batch.loss_mask.cpu()[order][:, 1:].to(torch.float32)
+    if mask_truncated:
+        loss_mask = loss_mask * ~batch.truncated.cpu()[order][:, None]
+    per_episode = (valid.shape[0], width)
+    return PackedRows(
+        tokens=tokens_in[:, :-1][valid][None],
+        positions=columns.expand(per_episode)[valid][None],
+        doc_ids=order[:, None].expand(per_episode)[valid][None],
+        targets=tokens_in[:, 1:][valid][None],
+        loss_mask=loss_mask[valid][None],
+        advantages=batch.advantages.cpu().to(torch.float32)[order][:, None].expand(per_episode)[valid][None],
+        gen_logprobs=batch.gen_logprobs.cpu()[order][:, 1:].to(torch.float32)[valid][None],
+    )
