@@ -23,7 +23,8 @@ the flash-attention kernel has no decode entry point (no split-KV, no KV-cache p
 forward pass tiles queries in blocks of 128 rows, so a step with one query per sequence computes
 64-128 times the useful work and becomes compute-bound (bench/decode_attention.py measures it).
 Here one program loads the query heads that share a K/V head as one tile and streams only the
-sequence's live keys and values from its slot, once.
+sequence's live keys and values from its slot, once. Rows whose prompts were prefilled together
+may read the prompt's keys from another slot holding the same bits (grpo/engine/shares.py says why).
 """
 
 from __future__ import annotations
