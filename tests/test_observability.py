@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 
 import pytest
@@ -80,7 +81,7 @@ def check_profile(folder, step_row: dict, stdout: str) -> None:
     names = {p.name for p in folder.iterdir()}
     for rank in (0, 1):
         for phase in ("generate", "score", "weight_sync"):
-            assert {f"step2_rank{rank}_{phase}.txt", f"step2_rank{rank}_{phase}.json"} <= names, (rank, phase)
+            assert {f"step2_rank{rank}_{phase}.txt", f"step2_rank{rank}_{phase}.json.gz"} <= names, (rank, phase)
     assert "step2_rank0_train.txt" not in names
     train = (folder / "step2_rank1_train.txt").read_text()
     header = train.splitlines()[0]
@@ -89,5 +90,5 @@ def check_profile(folder, step_row: dict, stdout: str) -> None:
     assert 0 < wall_ms <= step_row["time/train_s"] * 1e3
     assert "Backward" in train and "aten::mm" in train
     assert "Backward" not in (folder / "step2_rank0_generate.txt").read_text()
-    trace = json.loads((folder / "step2_rank1_train.json").read_text())
+    trace = json.loads(gzip.decompress((folder / "step2_rank1_train.json.gz").read_bytes()))
     assert any("Backward" in event.get("name", "") for event in trace["traceEvents"])

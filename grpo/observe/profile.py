@@ -3,7 +3,8 @@
 Each phase of the chosen step (generate, score, train, weight_sync) runs under its own profiler, so
 each gets its own kernel table: <job.output_dir>/profile/step<N>_rank<R>_<phase>.txt, headed by
 the phase's wall time and the device's busy time in it (busy well below wall: the host sets the
-pace), and a Chrome trace of the same events next to it (.json, for chrome://tracing or Perfetto).
+pace), and a gzipped Chrome trace of the same events next to it (.json.gz, for Perfetto or
+chrome://tracing; a generation phase holds about 10^5 kernels).
 """
 
 from __future__ import annotations
@@ -59,4 +60,4 @@ class StepProfiler:
             sort_by = "self_cpu_time_total"
         table = averages.table(sort_by=sort_by, row_limit=TABLE_ROWS, max_name_column_width=90)
         (self.folder / f"{stem}.txt").write_text(header + table, encoding="utf-8")
-        prof.export_chrome_trace(str(self.folder / f"{stem}.json"))
+        prof.export_chrome_trace(str(self.folder / f"{stem}.json.gz"))
