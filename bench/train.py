@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.generate import SHAPES, VOCAB, commit, model_args  # noqa: E402
 from grpo.config import GRPOConfig, OptimizerConfig  # noqa: E402
+from grpo.observe.profile import write_report  # noqa: E402
 from grpo.rollout.episode import EpisodeBatch  # noqa: E402
 from grpo.train.trainer import Trainer  # noqa: E402
 from model import (  # noqa: E402
@@ -124,9 +125,8 @@ def timed(step, reps: int, device: torch.device) -> tuple[float, float]:
     return first, best
 
 
-def profile(step, path: Path) -> None:
-    """One more step under the profiler: the kernels by device time, to path."""
-    from torch.autograd import DeviceType
+def profile(step, stem: Path) -> None:
+    """One more step under the profiler: the kernels by device time to stem.txt, the trace to stem.json.gz."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -135,13 +135,7 @@ def profile(step, path: Path) -> None:
         step()
         torch.cuda.synchronize()
         wall = time.perf_counter() - start
-    path.parent.mkdir(parents=True, exist_ok=True)
-    averages = prof.key_averages()
-    # Kernels only (not the CPU ops that launched them): the device's busy time against the wall.
-    busy = sum(e.self_device_time_total for e in averages if e.device_type == DeviceType.CUDA) / 1e6
-    header = f"wall {wall * 1e3:.1f} ms under the profiler, device busy {busy * 1e3:.1f} ms\n"
-    path.write_text(header + averages.table(sort_by="self_cuda_time_total", row_limit=80, max_name_column_width=90))
-    prof.export_chrome_trace(str(path.with_suffix(".json")))
+    write_report(prof, stem, stem.name, wall, on_cuda=True, rows=80)
 
 
 def tandem_step(args: ModelArgs, device, batch: EpisodeBatch, micro_batch_tokens: int, checkpointing: bool, compile: bool):
@@ -246,7 +240,7 @@ def main() -> None:
                     owner, step = hf_step(args, device, lengths, budget, config["checkpointing"])
                 first, best = timed(step, opts.reps, device)
                 if opts.profile:
-                    profile(step, Path(opts.profile) / f"{name}_{key}.txt")
+                    profile(step, Path(opts.profile) / f"{name}_{key}")
                 record = dict(tok_s=round(sum(lengths) / best), step_s=round(best, 4), first_step_s=round(first, 2),
                               mfu=round(flops / best / peak, 3),
                               peak_gb=round(torch.cuda.max_memory_allocated(device) / 1e9, 1))

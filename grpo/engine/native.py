@@ -4,10 +4,10 @@ group, decode steps captured in CUDA graphs, and continuous batching.
 A request takes a cache slot when one is free (longest token budget first); its prompt is
 prefilled (once for every request with the same prompt admitted together: their slots receive the
 same prompt K/V, which decode then reads from one of them, shares.py) and its first token sampled;
-then it joins the decode batch. Decode steps run on
-the device without the host reading anything; every `sync_every` steps, or sooner when the token
-budgets say a refill round (or the end) is nearer, the host collects finished sequences (EOS,
-budget, stop strings), gives their slots to waiting requests, and goes on.
+then it joins the decode batch. Decode steps run on the device without the host reading anything;
+every `sync_every` steps, or sooner when the token budgets say a refill round (or the end) is
+nearer, the host collects finished sequences (EOS, budget, stop strings), gives their slots to
+waiting requests, and goes on.
 A conversation's next turn (a request with `keep_kv`) takes back the slot its previous turn left
 and prefills only the tokens appended since (kept.py).
 

@@ -39,12 +39,10 @@ class PrefixShares:
     def prefilled(self, slots: Sequence[int], prompts: Sequence[Sequence[int]], shared: bool) -> None:
         """`slots` were just prefilled in one call with `prompts` (one per slot); with `shared`,
         equal prompts got their K/V from one computation and form a group."""
+        # Keyed by the prompt itself when shared; a group of more than one then shares len(key) tokens.
         members: dict[tuple[int, ...], list[int]] = {}
-        prompt_len: dict[tuple[int, ...], int] = {}
         for i, (slot, prompt) in enumerate(zip(slots, prompts)):
-            key = tuple(prompt) if shared else (i,)
-            members.setdefault(key, []).append(slot)
-            prompt_len[key] = len(prompt)
+            members.setdefault(tuple(prompt) if shared else (i,), []).append(slot)
         changed, readers, lengths = [], [], []
         for key, group in members.items():
             group.sort()
@@ -52,7 +50,7 @@ class PrefixShares:
                 self._groups[slot] = group
             changed += group
             readers += [group[0]] * len(group)
-            lengths += [prompt_len[key] if len(group) > 1 else 0] * len(group)
+            lengths += [len(key) if len(group) > 1 else 0] * len(group)
         self._write(changed, readers, lengths)
 
     def appended(self, slots: Iterable[int]) -> None:

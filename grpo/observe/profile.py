@@ -44,20 +44,22 @@ class StepProfiler:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             wall = time.perf_counter() - start
-        self._write(prof, f"step{step}_rank{self.rank}_{name}", name, wall)
+        write_report(prof, self.folder / f"step{step}_rank{self.rank}_{name}", name, wall, self.device.type == "cuda")
 
-    def _write(self, prof: profile, stem: str, name: str, wall: float) -> None:
-        """The phase's table and trace; the header says how busy the device was."""
-        self.folder.mkdir(parents=True, exist_ok=True)
-        averages = prof.key_averages()
-        if self.device.type == "cuda":
-            # Kernels only, not the host ops that launched them.
-            busy = sum(e.self_device_time_total for e in averages if e.device_type == DeviceType.CUDA) / 1e6
-            header = f"{name}: wall {wall * 1e3:.1f} ms, device busy {busy * 1e3:.1f} ms ({busy / wall:.0%})\n"
-            sort_by = "self_cuda_time_total"
-        else:
-            header = f"{name}: wall {wall * 1e3:.1f} ms (CPU: host ops only)\n"
-            sort_by = "self_cpu_time_total"
-        table = averages.table(sort_by=sort_by, row_limit=TABLE_ROWS, max_name_column_width=90)
-        (self.folder / f"{stem}.txt").write_text(header + table, encoding="utf-8")
-        prof.export_chrome_trace(str(self.folder / f"{stem}.json.gz"))
+
+def write_report(prof: profile, stem: Path, name: str, wall: float, on_cuda: bool, rows: int = TABLE_ROWS) -> None:
+    """`prof`'s kernel table to stem.txt, headed by the wall time and how busy the device was, and
+    its trace to stem.json.gz."""
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    averages = prof.key_averages()
+    if on_cuda:
+        # Kernels only, not the host ops that launched them.
+        busy = sum(e.self_device_time_total for e in averages if e.device_type == DeviceType.CUDA) / 1e6
+        header = f"{name}: wall {wall * 1e3:.1f} ms, device busy {busy * 1e3:.1f} ms ({busy / wall:.0%})\n"
+        sort_by = "self_cuda_time_total"
+    else:
+        header = f"{name}: wall {wall * 1e3:.1f} ms (CPU: host ops only)\n"
+        sort_by = "self_cpu_time_total"
+    table = averages.table(sort_by=sort_by, row_limit=rows, max_name_column_width=90)
+    stem.with_name(stem.name + ".txt").write_text(header + table, encoding="utf-8")
+    prof.export_chrome_trace(str(stem.with_name(stem.name + ".json.gz")))

@@ -99,13 +99,12 @@ def _generate_rounds(run: Run, step: int, profiler: StepProfiler) -> _Rounds:
 
 
 def sync_step(
-    run: Run, step: int, with_samples: bool = False, profiler: StepProfiler | None = None
+    run: Run, step: int, *, profiler: StepProfiler, with_samples: bool = False
 ) -> tuple[dict[str, float], list[dict]]:
     """One RL step; returns the step's metrics on trainer ranks ({} on generator-only ranks) and,
     when asked, a few of this rank's episodes as readable samples. Every step trains on the same
     number of groups (see `_generate_rounds`). `profiler` profiles the step's phases if it is the
     profiled step."""
-    profiler = profiler or StepProfiler(run.cfg.job.output_dir, 0, run.roles.rank, run.device)
     start = time.perf_counter()
     rounds = _generate_rounds(run, step, profiler)
     if not run.roles.split and run.cfg.generation.release_kv_cache:
