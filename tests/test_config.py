@@ -160,6 +160,7 @@ def test_weights_functions_length_mismatch():
         ("--training.steps=0", "training.steps"),
         ("--data.prompts_per_step=0", "data.prompts_per_step"),
         ("--training.micro_batch_tokens=0", "training.micro_batch_tokens"),
+        ("--training.frozen_pass_tokens=100", "training.frozen_pass_tokens"),
         ("--generation.temperature=-0.1", "generation.temperature"),
         ("--generation.top_p=0", "generation.top_p"),
         ("--generation.top_p=1.5", "generation.top_p"),

@@ -459,6 +459,39 @@ def test_two_ranks_minibatches_match_single_process(dist_results, reference):
         check_metrics(metrics, stats, updates=2)
 
 
+def test_frozen_pass_packs_several_micro_batches_per_forward():
+    """π_old's pass (2 iterations) with frozen_pass_tokens = 3 micro-batches: ceil(n / 3) forwards,
+    and every micro-batch gets the log-probs of its own episodes, each as a plain forward of that
+    episode alone gives them."""
+    batch = make_batch()
+    with single_process_group():
+        mesh = init_device_mesh("cpu", (1,))
+        trainer = Trainer(build_model(), mesh, torch.device("cpu"), torch.float32, grpo_config(num_iterations=2),
+                          optim_config(), total_steps=10, micro_batch_tokens=SMALL, temperature=TEMPERATURE,
+                          max_new_tokens=8, frozen_pass_tokens=3 * SMALL + 2)
+        (micro_batches,) = trainer._micro_batches(batch)
+        forward, widths = trainer._forward, []
+
+        def counted(rows, model=None):
+            widths.append(rows.tokens.shape[1])
+            return forward(rows, model)
+
+        trainer._forward = counted
+        trainer._frozen_passes(micro_batches, recompute_old=True)
+    assert len(micro_batches) > 3 and len(widths) == math.ceil(len(micro_batches) / 3)
+    assert max(widths) > SMALL
+    chunks = plan_micro_batches((batch.seq_lens - 1).tolist(), SMALL)
+    model = build_model()
+    with torch.no_grad():
+        for mb, chunk in zip(micro_batches, chunks):
+            rows = mb.rows
+            assert mb.old_logprobs.shape == rows.tokens.shape
+            for j, i in enumerate(chunk):
+                picked = (rows.doc_ids == j) & (rows.loss_mask > 0)
+                torch.testing.assert_close(mb.old_logprobs[picked], sequence_logprobs(model, batch, i),
+                                           rtol=0, atol=1e-5)
+
+
 # ------------------------------------------------------------------ logprob_diff/exact_frac
 
 

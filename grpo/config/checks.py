@@ -236,6 +236,12 @@ def _check_training(cfg: Config) -> None:
         t.micro_batch_tokens,
         f"must hold the longest episode: data.max_prompt_tokens + {after_prompt} = {longest}",
     )
+    require(
+        t.frozen_pass_tokens == 0 or t.frozen_pass_tokens >= t.micro_batch_tokens,
+        "training.frozen_pass_tokens",
+        t.frozen_pass_tokens,
+        f"must be 0 (4 micro-batches) or hold one micro-batch: >= training.micro_batch_tokens = {t.micro_batch_tokens}",
+    )
 
     require(t.max_bad_steps >= 1, "training.max_bad_steps", t.max_bad_steps, "must be >= 1")
     require(t.max_staleness >= 1, "training.max_staleness", t.max_staleness, "must be >= 1")

@@ -277,6 +277,9 @@ class TrainingConfig:
     # tokens (prompt + completion) per forward/backward on each trainer rank, episodes packed back to back; at least the
     # longest episode (data.max_prompt_tokens + generation.max_new_tokens)
     micro_batch_tokens: int = 16384
+    # tokens one no-grad forward packs (π_old's log-probs when they need their own pass, and the KL reference's), in
+    # whole micro-batches; 0 = 4 micro-batches (these passes keep no activations)
+    frozen_pass_tokens: int = 0
     # consecutive steps with a skipped update (non-finite loss or gradient norm) before the run stops, saving its state
     max_bad_steps: int = 3
     # "sync": generate a batch, then train on it | "async" (split mode): generator ranks generate batch n + k while

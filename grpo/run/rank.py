@@ -151,6 +151,7 @@ class Run:
             cfg.optimizer,
             total_steps=cfg.training.steps,
             micro_batch_tokens=cfg.training.micro_batch_tokens,
+            frozen_pass_tokens=cfg.training.frozen_pass_tokens,
             temperature=cfg.generation.temperature,
             max_new_tokens=cfg.max_episode_tokens,
             activation_checkpointing=cfg.model.activation_checkpointing,

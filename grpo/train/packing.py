@@ -86,3 +86,22 @@ def pack_episodes(batch: EpisodeBatch, pad_id: int = 0, mask_truncated: bool = F
         advantages=batch.advantages.cpu().to(torch.float32)[order][:, None].expand(per_episode)[valid][None],
         gen_logprobs=batch.gen_logprobs.cpu()[order][:, 1:].to(torch.float32)[valid][None],
     )
+
+
+def concat_rows(parts: list[PackedRows | None]) -> tuple[PackedRows | None, list[int]]:
+    """Packed micro-batches laid back to back in one row [1, sum W] (None parts, empty micro-batches,
+    add nothing), with each part's doc_ids moved past the previous parts' so that no two episodes
+    share an id; and the width each part takes (0 for None). None when every part is None."""
+    present = [p for p in parts if p is not None]
+    widths = [0 if p is None else p.tokens.shape[1] for p in parts]
+    if not present:
+        return None, widths
+    doc_ids, offset = [], 0
+    for p in present:
+        doc_ids.append(torch.where(p.doc_ids >= 0, p.doc_ids + offset, p.doc_ids))
+        offset += int(p.doc_ids.max()) + 1
+    fields = {
+        name: torch.cat([getattr(p, name) for p in present], dim=1)
+        for name in ("tokens", "positions", "targets", "loss_mask", "advantages", "gen_logprobs")
+    }
+    return PackedRows(doc_ids=torch.cat(doc_ids, dim=1), **fields), widths

@@ -28,12 +28,18 @@ from grpo.config import GRPOConfig, OptimizerConfig
 from grpo.distributed.collectives import all_reduce
 from grpo.rollout.episode import EpisodeBatch
 from grpo.train.loss import LossSettings, Normalizers, policy_loss
-from grpo.train.packing import PackedRows, pack_episodes, plan_micro_batches
+from grpo.train.packing import PackedRows, concat_rows, pack_episodes, plan_micro_batches
 from grpo.train.tally import Tally
 from model import Transformer
 from model.lora import LoRASpec, apply_lora
 from model.mixed_precision import OneRankMixedPrecision
 from model.parallelize import parallelize
+
+# Micro-batches per no-grad forward by default. Those passes keep no activations, so a forward of
+# four holds about what one training micro-batch keeps for its backward; and a small model's
+# forward waits on the host at every layer (on one H200 at the Qwen3-0.6B shape, a 16k-token
+# forward takes the host longer to launch than the device to run), so fewer, larger ones are faster.
+FROZEN_PASS_MICRO_BATCHES = 4
 
 
 def lr_factor(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
@@ -73,10 +79,13 @@ class Trainer:
         reference: Transformer | None = None,
         fsdp_on_one_rank: bool = False,
         lora: LoRASpec | None = None,
+        frozen_pass_tokens: int = 0,
     ):
         """`model` and `reference` (needed when grpo.kl_coef > 0: the frozen policy the KL penalty
         pulls toward) are fp32 models on this rank's device; both get sharded over `mesh`.
         micro_batch_tokens: the most tokens (prompt + completion) one forward/backward packs.
+        frozen_pass_tokens: the most tokens one no-grad forward (π_old's and the reference's
+        log-probs) packs, in whole micro-batches; 0 = FROZEN_PASS_MICRO_BATCHES micro-batches.
         fsdp_on_one_rank: wrap a one-rank mesh in FSDP2 anyway (the reference the one-rank path
         is tested against).
         lora: train low-rank adapters of a frozen base instead (model/lora.py); the base is cast
@@ -84,6 +93,11 @@ class Trainer:
         self.mesh, self.device = mesh, device
         self.grpo, self.optim = grpo, optim
         self.micro_batch_tokens = micro_batch_tokens
+        # Whole micro-batches per frozen forward: a count, not a token sum, so that every rank runs
+        # the same number of forwards (FSDP's all-gathers need every rank).
+        self.frozen_group = (
+            max(1, frozen_pass_tokens // micro_batch_tokens) if frozen_pass_tokens else FROZEN_PASS_MICRO_BATCHES
+        )
         # Log-probs are those of the sampling distribution; greedy sampling scores at temperature 1.
         self.temperature = temperature if temperature > 0 else 1.0
         if (reference is not None) != (grpo.kl_coef > 0):
@@ -234,16 +248,18 @@ class Trainer:
     @torch.no_grad()
     def _frozen_passes(self, micro_batches: list[_MicroBatch], recompute_old: bool) -> None:
         """π_old's log-probs (when recompute_old) and the reference's (with a KL term) for every
-        micro-batch, before any update. Empty micro-batches run too: every rank must join each FSDP
-        all-gather."""
-        for mb in micro_batches:
+        micro-batch, before any update, `frozen_group` micro-batches per forward. Empty micro-batches
+        run too: every rank must join each FSDP all-gather."""
+        if not recompute_old and self.reference is None:
+            return
+        for start in range(0, len(micro_batches), self.frozen_group):
+            chunk = micro_batches[start : start + self.frozen_group]
+            rows, widths = concat_rows([mb.rows for mb in chunk])
             if recompute_old:
-                logprobs = self._forward(mb.rows).logprobs
-                if mb.rows is not None:
+                for mb, logprobs in zip(chunk, _split_columns(self._forward(rows).logprobs, widths)):
                     mb.old_logprobs = logprobs
             if self.reference is not None:
-                logprobs = self._forward(mb.rows, self.reference).logprobs
-                if mb.rows is not None:
+                for mb, logprobs in zip(chunk, _split_columns(self._forward(rows, self.reference).logprobs, widths)):
                     mb.ref_logprobs = logprobs
 
     def _backward(
@@ -382,6 +398,13 @@ class Trainer:
         if self.optim.max_grad_norm > 0 and grads:
             torch._foreach_mul_(grads, torch.clamp(self.optim.max_grad_norm / (norm + 1e-6), max=1.0))
         return norm
+
+
+def _split_columns(row: torch.Tensor, widths: list[int]) -> list[torch.Tensor | None]:
+    """row [1, sum(widths)] cut into consecutive [1, w] views; None where w is 0."""
+    parts = row.split([w for w in widths if w], dim=1) if any(widths) else []
+    it = iter(parts)
+    return [next(it) if w else None for w in widths]
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
