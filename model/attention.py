@@ -8,7 +8,7 @@
   keys (the first `lengths[b]` positions).
 
 On CUDA in bf16/fp16, training and prefill run PyTorch's flash-attention kernel in its
-variable-length form (`torch.nn.attention.varlen`, `cu_seqlens`, forward and backward) and decode
+variable-length form (aten's flash ops over `cu_seqlens`, forward and backward) and decode
 runs our Triton kernel (invariant_kernels.py `slot_attention`), which reads exactly the live keys
 once per KV head.
 Elsewhere (CPU, fp32) the sequences of each length run as one batched, causal
@@ -19,18 +19,12 @@ on CUDA the invariant Triton kernels (model/invariant_kernels.py), elsewhere the
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from model import batch_invariant
-
-if torch.cuda.is_available():
-    # Only CUDA tensors reach the flash kernels, and importing this module loads dynamo and Triton
-    # (about a second per process): CPU-only hosts skip it.
-    from torch.nn.attention.varlen import varlen_attn
 
 
 @dataclass
@@ -78,25 +72,40 @@ def uses_flash(t: torch.Tensor) -> bool:
     return fast_kernels_serve(t.device, t.dtype)
 
 
-def _varlen_signature() -> tuple[dict, bool]:
-    """(the causal keyword of `varlen_attn`, whether it takes `enable_gqa`), read once at import
-    so that a compiled block traces no `inspect` call."""
-    params = inspect.signature(varlen_attn).parameters
-    # torch 2.10 spells causal `is_causal`; later releases take a (left, right) window.
-    causal = dict(window_size=(-1, 0)) if "window_size" in params else dict(is_causal=True)
-    return causal, "enable_gqa" in params
+class _FlashVarlen(torch.autograd.Function):
+    """Causal flash attention within each sequence of a packed axis, with its backward:
+    q [N, H, D], k/v [N, Hkv, D] (the kernel serves grouped K/V heads) -> [N, H, D].
 
+    Straight on PyTorch's aten flash ops, the kernels `torch.nn.attention.varlen.varlen_attn` runs:
+    its output and K/V gradients are the same bits (the query gradient's atomic sums vary from run
+    to run with either). That function goes through a Python custom op, and the trainer calls it
+    once per layer per micro-batch: on one H200, a forward and backward at 16k tokens cost the host
+    487 µs here against 802 µs (bench/RESULTS.md). It needs no probing of which keywords the
+    installed release's `varlen_attn` takes.
+    """
 
-if torch.cuda.is_available():
-    _VARLEN_CAUSAL, _VARLEN_TAKES_GQA = _varlen_signature()
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens: torch.Tensor, max_len: int) -> torch.Tensor:
+        out, lse, rng_state, unused, _ = torch.ops.aten._flash_attention_forward(
+            q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, 0.0, True, False
+        )
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens, rng_state, unused)
+        ctx.max_len = max_len
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        q, k, v, out, lse, cu_seqlens, rng_state, unused = ctx.saved_tensors
+        n = ctx.max_len
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+            grad_out.contiguous(), q, k, v, out, lse, cu_seqlens, cu_seqlens, n, n, 0.0, True, rng_state, unused
+        )
+        return dq, dk, dv, None, None
 
 
 def _varlen_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SequenceLayout) -> torch.Tensor:
     """Flash varlen attention with autograd: q [N, H, D], k/v [N, Hkv, D] -> [N, H, D]."""
-    # The flash kernel serves grouped K/V heads natively; releases without the flag pass them as is.
-    gqa = dict(enable_gqa=q.shape[1] != k.shape[1]) if _VARLEN_TAKES_GQA else {}
-    cu, n = layout.cu_seqlens, layout.max_len
-    return varlen_attn(q, k, v, cu, cu, n, n, **_VARLEN_CAUSAL, **gqa)
+    return _FlashVarlen.apply(q, k, v, layout.cu_seqlens, layout.max_len)
 
 
 def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SequenceLayout) -> torch.Tensor:
