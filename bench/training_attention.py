@@ -1,0 +1,115 @@
+"""The trainer's packed causal attention: the model's call on aten's flash ops (`model/attention.py`)
+against `torch.nn.attention.varlen.varlen_attn`, which runs the same kernels, in the same run. One
+JSON line per implementation, then one line comparing their results.
+
+    python3 bench/training_attention.py [--tokens 16384] [--reps 200]
+
+Qwen3-0.6B attention shape (16 query heads, 8 K/V heads, head_dim 128), bf16, sequences of 100-600
+tokens packed back to back. Per call, three modes: a forward without gradients, a forward that
+records for backward, and forward + backward. `host_us` is the time until the host has queued the
+call (what a host-bound training step pays), `wall_us` until the device has run it. The comparison
+line says whether the output and each gradient are bitwise equal; the query gradient's atomic sums
+make it vary between two runs of either, which a second run of each shows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from model.attention import SequenceLayout, _varlen_causal  # noqa: E402
+
+H, HKV, D = 16, 8, 128
+
+
+def packed_layout(tokens: int, device: torch.device) -> SequenceLayout:
+    """Sequences of 100-600 tokens filling `tokens`, the last one cut to fit."""
+    g = torch.Generator().manual_seed(0)
+    bounds = [0]
+    while bounds[-1] < tokens:
+        bounds.append(min(tokens, bounds[-1] + int(torch.randint(100, 601, (1,), generator=g))))
+    max_len = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
+    return SequenceLayout(torch.tensor(bounds, dtype=torch.int32, device=device), bounds, max_len)
+
+
+def varlen_call(layout: SequenceLayout):
+    """varlen_attn with the keywords the installed release takes for causal, grouped heads."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    params = inspect.signature(varlen_attn).parameters
+    causal = dict(window_size=(-1, 0)) if "window_size" in params else dict(is_causal=True)
+    gqa = dict(enable_gqa=True) if "enable_gqa" in params else {}
+    cu, n = layout.cu_seqlens, layout.max_len
+    return lambda q, k, v: varlen_attn(q, k, v, cu, cu, n, n, **causal, **gqa)
+
+
+def timed(fn, q, k, v, grad, mode: str, reps: int) -> tuple[float, float]:
+    """(host µs, wall µs) per call of `mode`: nograd, grad or fwdbwd."""
+    with torch.no_grad() if mode == "nograd" else torch.enable_grad():
+        for _ in range(3):
+            out = fn(q, k, v)
+            if mode == "fwdbwd":
+                out.backward(grad)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(reps):
+            out = fn(q, k, v)
+            if mode == "fwdbwd":
+                out.backward(grad)
+        host = time.perf_counter() - start
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    return host / reps * 1e6, wall / reps * 1e6
+
+
+def results(fn, q, k, v, grad) -> list[torch.Tensor]:
+    """Output and the q, k, v gradients of one forward + backward."""
+    for t in (q, k, v):
+        t.grad = None
+    out = fn(q, k, v)
+    out.backward(grad)
+    return [out.detach().clone()] + [t.grad.clone() for t in (q, k, v)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=16384)
+    parser.add_argument("--reps", type=int, default=200)
+    opts = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench/training_attention.py: needs a CUDA device (both implementations run flash attention)")
+    device = torch.device("cuda")
+    layout = packed_layout(opts.tokens, device)
+    g = torch.Generator(device=device).manual_seed(1)
+    q, k, v = (
+        torch.randn(opts.tokens, heads, D, device=device, dtype=torch.bfloat16, generator=g).requires_grad_()
+        for heads in (H, HKV, HKV)
+    )
+    grad = torch.randn(opts.tokens, H, D, device=device, dtype=torch.bfloat16, generator=g)
+    impls = {"tandem": lambda q, k, v: _varlen_causal(q, k, v, layout), "varlen_attn": varlen_call(layout)}
+    runs = {}
+    for name, fn in impls.items():
+        line = dict(bench="training_attention", impl=name, tokens=opts.tokens, sequences=len(layout.bounds) - 1,
+                    device=torch.cuda.get_device_name(), torch=torch.__version__)
+        for mode in ("nograd", "grad", "fwdbwd"):
+            host, wall = timed(fn, q, k, v, grad, mode, opts.reps)
+            line[f"{mode}_host_us"], line[f"{mode}_wall_us"] = round(host, 1), round(wall, 1)
+        print(json.dumps(line), flush=True)
+        runs[name] = results(fn, q, k, v, grad)
+        runs[f"{name}_again"] = results(fn, q, k, v, grad)
+    names = ("out", "dq", "dk", "dv")
+    for a, b in (("tandem", "varlen_attn"), ("tandem", "tandem_again"), ("varlen_attn", "varlen_attn_again")):
+        equal = {n: torch.equal(x, y) for n, x, y in zip(names, runs[a], runs[b])}
+        print(json.dumps(dict(bench="training_attention", compare=[a, b], bitwise_equal=equal)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
