@@ -37,12 +37,12 @@ QWEN3_8B = {"layers": 36, "dim": 4096, "heads": 32, "kv_heads": 8, "head_dim": 1
 TINY = {"layers": 2, "dim": 64, "heads": 4, "kv_heads": 2, "head_dim": 16, "ffn": 128, "tied": 1}
 BODIES = {"0.6b": QWEN3_0_6B, "8b": QWEN3_8B}
 PER_STEP = (
-    "time/step_s", "time/generate_s", "time/score_s", "time/train_s", "time/weight_sync_s",
+    "time/step_s", "time/generate_s", "time/score_s", "time/train_s", "time/weight_sync_s", "time/gc_s",
     "throughput/generate_tok_s", "throughput/train_tok_s", "throughput/mfu",
     "episode/length_mean", "logprob_diff/mean", "logprob_diff/max",
     "memory/generate_peak_gb", "memory/train_peak_gb",
 )
-MEDIANS = PER_STEP[:8] + ("episode/length_mean", "memory/generate_peak_gb", "memory/train_peak_gb")
+MEDIANS = PER_STEP[:9] + ("episode/length_mean", "memory/generate_peak_gb", "memory/train_peak_gb")
 # Step 0's row: the whole policy's first sync and the trainable share.
 FIRST = ("weight_sync/full_s", "weight_sync/full_bytes", "model/trainable_params", "model/params")
 

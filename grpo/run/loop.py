@@ -18,6 +18,7 @@ from grpo.distributed.collectives import all_reduce
 from grpo.distributed.faults import GracefulStop, restart_count
 from grpo.distributed.preflight import StartupError, check_checkpoints
 from grpo.errors import TandemError
+from grpo.observe.collector import CollectorPauses
 from grpo.observe.metrics import MetricsLogger
 from grpo.observe.profile import StepProfiler
 from grpo.observe.report import render_report
@@ -59,7 +60,7 @@ def run_loop(cfg: Config, run: Run, resume: Path | None = None, stop: GracefulSt
     if is_leader:
         _announce_mfu(run)
         _announce_trainable(run)
-    with logger:
+    with logger, CollectorPauses() as collector:
         full_sync_s = run.sync_weights(version=start_step, full=True)
         if is_leader:
             logger.say(f"weights to the generators: {run.weights.full_bytes / 1e9:.3g} GB in {full_sync_s:.2f} s; "
@@ -77,14 +78,21 @@ def run_loop(cfg: Config, run: Run, resume: Path | None = None, stop: GracefulSt
         profiler = StepProfiler(cfg.job.output_dir, cfg.metrics.profile_step, run.roles.rank, run.device)
         take_step = functools.partial(sync_step, run, profiler=profiler) if async_steps is None else async_steps.step
         for step in range(start_step + 1, cfg.training.steps + 1):
+            collector.lap()
             metrics, samples = take_step(step, with_samples=_every(cfg.metrics.samples_every, step))
+            if step == start_step + 1:
+                # The first step built what lives as long as the run (compiled graphs, caches):
+                # later full passes need not walk it again.
+                collector.freeze_long_lived()
             if samples:
                 logger.log_samples(step, samples)
             last_step = step == cfg.training.steps
             if last_step or _every(cfg.eval.every, step):
                 evals["last"] = evaluate(run)
                 metrics.update(evals["last"])
-            boundary = _step_boundary(run, stop, metrics)
+            boundary = _step_boundary(run, stop, metrics, collector.lap())
+            if metrics:
+                metrics["time/gc_s"] = boundary["gc_s"]
             bad_steps = bad_steps + 1 if boundary["skipped"] else 0
             logger.log(step, metrics)
             if step == cfg.metrics.profile_step and is_leader:
@@ -168,12 +176,14 @@ def _leader_speaks(run: Run, *alike: type[TandemError]) -> Iterator[None]:
         raise RunAborted() from None
 
 
-def _step_boundary(run: Run, stop: GracefulStop | None, metrics: dict[str, float]) -> dict[str, float]:
+def _step_boundary(run: Run, stop: GracefulStop | None, metrics: dict[str, float], gc_s: float) -> dict[str, float]:
     """What every rank learns at the end of a step: the highest stop signal that arrived on any rank
-    (0: none) and whether the step skipped an update. Collective over every rank."""
+    (0: none), whether the step skipped an update, and the longest time the garbage collector held
+    a rank during the step (`gc_s`: this rank's). Collective over every rank."""
     with run.waiting("the step boundary on every rank"):
         return all_reduce(
-            {"signal": float(stop.signal_number if stop else 0), "skipped": metrics.get("train/skipped_updates", 0.0)},
+            {"signal": float(stop.signal_number if stop else 0), "skipped": metrics.get("train/skipped_updates", 0.0),
+             "gc_s": gc_s},
             None,
             dist.ReduceOp.MAX,
         )
