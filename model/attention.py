@@ -208,6 +208,7 @@ def suffix_prefill(
 def slot_decode(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor,
     share_slots: torch.Tensor | None = None, share_lens: torch.Tensor | None = None,
+    new_k: torch.Tensor | None = None, new_v: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [B, H, D] (one query per row) against cache slots -> [B, H, D].
 
@@ -217,19 +218,29 @@ def slot_decode(
     share_slots [B] int64 / share_lens [B] int32 (optional, together): row b reads its first
     share_lens[b] keys from slot share_slots[b] instead, which holds the same values there (a prompt
     prefilled once for several rows); reading one copy for many rows saves memory traffic.
+    new_k / new_v [B, Hkv, D] (optional, together): each row's own key and value, stored at
+    position lengths[b] - 1 of its slot first (on CUDA by the attention kernel itself).
     """
     if share_slots is None:
         share_slots, share_lens = slots, lengths
+    kernel = batch_invariant.uses_kernels(q) if batch_invariant.enabled() else uses_flash(q)
+    if new_k is not None and not kernel:
+        at = (slots, lengths.long() - 1)
+        k_cache.index_put_(at, new_k)
+        v_cache.index_put_(at, new_v)
+        new_k = new_v = None
     if batch_invariant.enabled():
-        if batch_invariant.uses_kernels(q):
-            return batch_invariant.kernel_slot_attention(q, k_cache, v_cache, slots, lengths, share_slots, share_lens)
+        if kernel:
+            return batch_invariant.kernel_slot_attention(
+                q, k_cache, v_cache, slots, lengths, share_slots, share_lens, new_k, new_v
+            )
         keys, values = _slot_keys(k_cache, v_cache, slots, share_slots, share_lens)
         return batch_invariant.slot_attention(q, keys, values, lengths)
-    if uses_flash(q):
+    if kernel:
         # Imported here: Triton exists only where CUDA does.
         from model.invariant_kernels import slot_attention
 
-        return slot_attention(q, k_cache, v_cache, slots, lengths, share_slots, share_lens)
+        return slot_attention(q, k_cache, v_cache, slots, lengths, share_slots, share_lens, new_k, new_v)
     keys, values = _slot_keys(k_cache, v_cache, slots, share_slots, share_lens)
     live = (torch.arange(keys.shape[1], device=q.device)[None, :] < lengths[:, None])[:, None, None, :]
     out = F.scaled_dot_product_attention(

@@ -136,9 +136,11 @@ def kernel_packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
 
 
 def kernel_slot_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                          lengths: torch.Tensor, share_slots: torch.Tensor, share_lens: torch.Tensor) -> torch.Tensor:
+                          lengths: torch.Tensor, share_slots: torch.Tensor, share_lens: torch.Tensor,
+                          new_k: torch.Tensor | None = None, new_v: torch.Tensor | None = None) -> torch.Tensor:
     """Invariant single-query attention against cache slots (invariant_kernels.slot_attention)."""
-    return _state["ops"].kernels.slot_attention(q, k_cache, v_cache, slots, lengths, share_slots, share_lens)
+    return _state["ops"].kernels.slot_attention(q, k_cache, v_cache, slots, lengths, share_slots, share_lens,
+                                                new_k, new_v)
 
 
 def in_blocks(fn: Callable[..., torch.Tensor | tuple], *tokens: torch.Tensor, rows: int = 1) -> torch.Tensor | tuple:

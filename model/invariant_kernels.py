@@ -168,10 +168,11 @@ def _packed_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_seqlens, scale,
 
 
 @triton.jit
-def _slot_kernel(q_ptr, k_ptr, v_ptr, out_ptr, slots_ptr, lengths_ptr, share_slots_ptr, share_lens_ptr, scale,
-                 stride_qb, stride_qh, stride_ks, stride_kl, stride_kh, stride_ob, stride_oh,
+def _slot_kernel(q_ptr, k_ptr, v_ptr, out_ptr, slots_ptr, lengths_ptr, share_slots_ptr, share_lens_ptr,
+                 new_k_ptr, new_v_ptr, scale,
+                 stride_qb, stride_qh, stride_ks, stride_kl, stride_kh, stride_nb, stride_nh, stride_ob, stride_oh,
                  G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 PRECISION: tl.constexpr):
+                 PRECISION: tl.constexpr, STORE_NEW: tl.constexpr):
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     slot = tl.load(slots_ptr + row).to(tl.int64)
@@ -183,6 +184,15 @@ def _slot_kernel(q_ptr, k_ptr, v_ptr, out_ptr, slots_ptr, lengths_ptr, share_slo
     heads = kv_head * G + g
     q = tl.load(q_ptr + row * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=g[:, None] < G, other=0.0)
     head_offset = kv_head * stride_kh + d[None, :]
+    if STORE_NEW:
+        # The row's own key and value go into its slot here rather than by two copy kernels per
+        # layer; the barrier makes them visible to every thread of the program before the loop
+        # reads them back with the rest of the slot, so the values attended are the same bits.
+        new = row * stride_nb + kv_head * stride_nh + d
+        at = slot * stride_ks + (length - 1).to(tl.int64) * stride_kl + kv_head * stride_kh + d
+        tl.store(k_ptr + at, tl.load(new_k_ptr + new))
+        tl.store(v_ptr + at, tl.load(new_v_ptr + new))
+        tl.debug_barrier()
     m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, D), tl.float32)
@@ -233,12 +243,16 @@ def slot_attention_unsupported(n_heads: int, n_kv_heads: int, head_dim: int) -> 
 
 def slot_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
                    lengths: torch.Tensor, share_slots: torch.Tensor | None = None,
-                   share_lens: torch.Tensor | None = None) -> torch.Tensor:
+                   share_lens: torch.Tensor | None = None, new_k: torch.Tensor | None = None,
+                   new_v: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, H, D] against k_cache / v_cache [S, L, Hkv, D]: row b's query sits at position
     lengths[b] - 1 of slot slots[b] and attends to its first lengths[b] keys -> [B, H, D].
 
     share_slots [B] int64 / share_lens [B] int32 (optional, together): row b reads its first
-    share_lens[b] keys from slot share_slots[b], which must hold the same values there."""
+    share_lens[b] keys from slot share_slots[b], which must hold the same values there.
+    new_k / new_v [B, Hkv, D] (optional, together): row b's own key and value, stored at position
+    lengths[b] - 1 of its slot before it attends (rows of distinct slots: padding rows that share
+    a scratch slot may leave any of their values there)."""
     if share_slots is None:
         share_slots, share_lens = slots, lengths
     B, H, D = q.shape
@@ -250,11 +264,17 @@ def slot_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     out = torch.empty_like(q)
     if B == 0:
         return out
+    store = new_k is not None
+    if store and (new_k.stride(-1) != 1 or new_v.stride() != new_k.stride()):
+        new_k, new_v = new_k.contiguous(), new_v.contiguous()
+    if not store:
+        new_k = new_v = q  # not read
     _slot_kernel[(B, Hkv)](
-        q, k_cache, v_cache, out, slots, lengths, share_slots, share_lens, D**-0.5,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), out.stride(0), out.stride(1),
+        q, k_cache, v_cache, out, slots, lengths, share_slots, share_lens, new_k, new_v, D**-0.5,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        new_k.stride(0), new_k.stride(1), out.stride(0), out.stride(1),
         G=H // Hkv, D=D, BLOCK_M=ATTENTION_BLOCK_M, BLOCK_N=ATTENTION_BLOCK_N,
-        PRECISION=_precision(q), num_warps=ATTENTION_WARPS, num_stages=ATTENTION_DECODE_STAGES,
+        PRECISION=_precision(q), STORE_NEW=store, num_warps=ATTENTION_WARPS, num_stages=ATTENTION_DECODE_STAGES,
     )
     return out
 

@@ -90,6 +90,18 @@ def check_attention() -> None:
                                     torch.full((n,), reader), torch.full((n,), 40, dtype=torch.int32))
     assert torch.equal(shared, packed[a:b])
 
+    # Each sequence's last token decoded with its own key and value handed to the kernel, which
+    # stores them in the slot (where the cache holds NaN) before attending: the same bits again.
+    last = [b - 1 for b in bounds[1:]]
+    k_new, v_new = k_cache.clone(), v_cache.clone()
+    for s, length in enumerate(lengths):
+        k_new[s, length - 1], v_new[s, length - 1] = float("nan"), float("nan")
+    stored = kernels.slot_attention(q[last], k_new, v_new, torch.arange(len(lengths)),
+                                    torch.tensor(lengths, dtype=torch.int32), new_k=k[last], new_v=v[last])
+    assert torch.equal(stored, packed[last])
+    assert torch.equal(k_new.nan_to_num(7.0), k_cache.nan_to_num(7.0))
+    assert torch.equal(v_new.nan_to_num(7.0), v_cache.nan_to_num(7.0))
+
 
 def check_gradients() -> None:
     g = torch.Generator().manual_seed(3)

@@ -171,14 +171,10 @@ class SlotCache:
         """attend() for one decode step: row b's token sits at positions[b] of slot slots[b]
         (both [B] int64); its K/V are stored there and it attends over the slot's first
         positions[b] + 1 keys, the shared prompt's read from share_slot (PrefixShares)."""
-        write_target = slots * self.max_len + positions
         lengths = (positions + 1).to(torch.int32)
         share_slots, share_lens = self.share_slot[slots], self.share_len[slots]
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            k_flat, v_flat = self.flat(layer)
-            k_flat.index_copy_(0, write_target, k)
-            v_flat.index_copy_(0, write_target, v)
-            return slot_decode(q, self.k[layer], self.v[layer], slots, lengths, share_slots, share_lens)
+            return slot_decode(q, self.k[layer], self.v[layer], slots, lengths, share_slots, share_lens, k, v)
 
         return attend
