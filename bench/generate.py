@@ -2,7 +2,7 @@
 configuration.
 
     python3 bench/generate.py [--shapes 0.6b,1.7b] [--batches 64,256] [--baselines hf,hf_static]
-                              [--long-tail] [--quick]
+                              [--long-tail] [--profile] [--quick]
 
 Random bf16 weights of a Qwen3 shape; prompts of 128 random tokens; 256 new tokens forced (no EOS);
 sampling at temperature 1 over the full vocabulary. Each line reports output tokens/s over the
@@ -13,6 +13,11 @@ cache (which transformers compiles with torch.compile for decoding).
 Roofline: every decode step reads the weights once plus each live sequence's K/V, at the measured
 4.3 TB/s of an H200 (`--bandwidth`): tok/s = B / ((weights + B * mean live tokens * KV bytes per
 token) / bandwidth).
+
+`--profile`: before each batch's timed runs, one decode step's kernels by device time: a profiled
+call that only prefills (one new token per request) taken from a profiled call of full budgets,
+per decode step; its header gives both calls' wall time, so the wall time per step beyond the
+kernels' shows too.
 
 `--long-tail`: 2048 requests whose budgets follow a truncated Pareto(alpha = 1) on 32..1024 tokens
 (median ~64), decoded at most 256 at a time, against the same 2048 prompts with every budget equal
@@ -147,16 +152,40 @@ def time_hf(model, batch_prompts, device, static: bool, reps: int) -> float:
     return best
 
 
-def profile(engine: NativeEngine, requests: list[GenerationRequest], device) -> None:
-    """The kernels of one generate call (after a warm-up), by total device time."""
+def kernel_times(engine: NativeEngine, requests: list[GenerationRequest], device) -> tuple[float, dict[str, float]]:
+    """(wall seconds, device µs per kernel name) of one profiled generate call."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    engine.generate(requests)
     with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        sync(device)
+        start = time.perf_counter()
         engine.generate(requests)
         sync(device)
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30), flush=True)
+        wall = time.perf_counter() - start
+    totals = {e.key: e.self_device_time_total for e in prof.key_averages() if e.device_type == DeviceType.CUDA}
+    return wall, totals
+
+
+def profile(engine: NativeEngine, requests: list[GenerationRequest], device, rows: int = 30) -> None:
+    """One decode step's kernels: a profiled call that only prefills (one new token each) taken from
+    a profiled call of full budgets, divided by the NEW - 1 decode steps between them. A whole
+    call's table mixes the prompts' prefill into every kernel that both phases run (the matmuls)."""
+    prefill_only = [GenerationRequest(r.prompt_tokens, r.step, r.prompt_index, r.sample_index, max_new_tokens=1)
+                    for r in requests]
+    engine.generate(requests)  # warm-up: compile, graph capture
+    engine.generate(prefill_only)
+    short_wall, short = kernel_times(engine, prefill_only, device)
+    full_wall, full = kernel_times(engine, requests, device)
+    steps = NEW - 1
+    per_step = {k: (full.get(k, 0.0) - short.get(k, 0.0)) / steps for k in full}
+    busy = sum(per_step.values())
+    print(f"batch {len(requests)}: whole call {full_wall * 1e3:.1f} ms, prefill-only call {short_wall * 1e3:.1f} ms "
+          f"(device {sum(short.values()) / 1e3:.1f} ms); per decode step: wall {(full_wall - short_wall) / steps * 1e3:.2f} ms, "
+          f"device {busy / 1e3:.2f} ms", flush=True)
+    for name, us in sorted(per_step.items(), key=lambda kv: -kv[1])[:rows]:
+        print(f"{us:9.1f} µs  {us / busy:6.1%}  {name[:110]}", flush=True)
 
 
 def emit(record: dict) -> None:
@@ -174,7 +203,7 @@ def main() -> None:
     parser.add_argument("--bandwidth", type=float, default=4.3e12)
     parser.add_argument("--quick", action="store_true", help="tiny shape, small vocab: a CPU smoke test")
     parser.add_argument("--sync-every", type=int, default=8, help="the engine's generation.sync_every")
-    parser.add_argument("--profile", action="store_true", help="print the top CUDA kernels of one timed run")
+    parser.add_argument("--profile", action="store_true", help="print one decode step's kernels (prefill taken out)")
     opts = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     vocab = 512 if opts.quick else VOCAB
