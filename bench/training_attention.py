@@ -2,7 +2,12 @@
 against `torch.nn.attention.varlen.varlen_attn`, which runs the same kernels, in the same run. One
 JSON line per implementation, then one line comparing their results.
 
-    python3 bench/training_attention.py [--tokens 16384] [--reps 200]
+    python3 bench/training_attention.py [--tokens 16384] [--reps 200] [--lengths 100,600]
+                                        [--impls tandem,varlen_attn,expanded_kv,flex]
+
+`--impls` adds two alternatives: `expanded_kv`, the same aten ops with K/V repeated for every query
+head (aten then has no grouped heads to sum in the backward), and `flex`, FlexAttention (compiled)
+with a causal document mask.
 
 Qwen3-0.6B attention shape (16 query heads, 8 K/V heads, head_dim 128), bf16, sequences of 100-600
 tokens packed back to back. Per call, three modes: a forward without gradients, a forward that
@@ -15,6 +20,7 @@ make it vary between two runs of either, which a second run of each shows.
 from __future__ import annotations
 
 import argparse
+import functools
 import inspect
 import json
 import sys
@@ -30,12 +36,12 @@ from model.attention import SequenceLayout, _varlen_causal  # noqa: E402
 H, HKV, D = 16, 8, 128
 
 
-def packed_layout(tokens: int, device: torch.device) -> SequenceLayout:
-    """Sequences of 100-600 tokens filling `tokens`, the last one cut to fit."""
+def packed_layout(tokens: int, device: torch.device, shortest: int = 100, longest: int = 600) -> SequenceLayout:
+    """Sequences of shortest..longest tokens filling `tokens`, the last one cut to fit."""
     g = torch.Generator().manual_seed(0)
     bounds = [0]
     while bounds[-1] < tokens:
-        bounds.append(min(tokens, bounds[-1] + int(torch.randint(100, 601, (1,), generator=g))))
+        bounds.append(min(tokens, bounds[-1] + int(torch.randint(shortest, longest + 1, (1,), generator=g))))
     max_len = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
     return SequenceLayout(torch.tensor(bounds, dtype=torch.int32, device=device), bounds, max_len)
 
@@ -49,6 +55,47 @@ def varlen_call(layout: SequenceLayout):
     gqa = dict(enable_gqa=True) if "enable_gqa" in params else {}
     cu, n = layout.cu_seqlens, layout.max_len
     return lambda q, k, v: varlen_attn(q, k, v, cu, cu, n, n, **causal, **gqa)
+
+
+class _ExpandedKV(torch.autograd.Function):
+    """aten's flash ops on K/V repeated for every query head; the backward folds each group's
+    K/V gradients back by adding them."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens: torch.Tensor, max_len: int):
+        groups = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        out, lse, rng, unused, _ = torch.ops.aten._flash_attention_forward(
+            q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, 0.0, True, False
+        )
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens, rng, unused)
+        ctx.max_len, ctx.groups = max_len, groups
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, out, lse, cu, rng, unused = ctx.saved_tensors
+        n = ctx.max_len
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+            grad.contiguous(), q, k, v, out, lse, cu, cu, n, n, 0.0, True, rng, unused
+        )
+        # Added pairwise: aten's own sum over the group dimension is the kernel this avoids.
+        fold = lambda t: functools.reduce(torch.add, t.unflatten(1, (-1, ctx.groups)).unbind(2))  # noqa: E731
+        return dq, fold(dk), fold(dv), None, None
+
+
+def flex_call(layout: SequenceLayout, tokens: int):
+    """FlexAttention over the packed axis with a causal mask within each sequence."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    lengths = layout.cu_seqlens.diff().long()
+    doc = torch.repeat_interleave(torch.arange(len(lengths), device=lengths.device), lengths)
+    mask = create_block_mask(lambda b, h, i, j: (doc[i] == doc[j]) & (i >= j), 1, 1, tokens, tokens,
+                             device=lengths.device)
+    attend = torch.compile(flex_attention)
+    heads_first = lambda t: t.transpose(0, 1)[None]  # noqa: E731
+    return lambda q, k, v: attend(heads_first(q), heads_first(k), heads_first(v), block_mask=mask,
+                                  enable_gqa=True)[0].transpose(0, 1)
 
 
 def timed(fn, q, k, v, grad, mode: str, reps: int) -> tuple[float, float]:
@@ -83,18 +130,26 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--reps", type=int, default=200)
+    parser.add_argument("--lengths", default="100,600", help="shortest,longest sequence")
+    parser.add_argument("--impls", default="tandem,varlen_attn", help="comma list of tandem, varlen_attn, expanded_kv, flex")
     opts = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/training_attention.py: needs a CUDA device (both implementations run flash attention)")
     device = torch.device("cuda")
-    layout = packed_layout(opts.tokens, device)
+    layout = packed_layout(opts.tokens, device, *(int(n) for n in opts.lengths.split(",")))
     g = torch.Generator(device=device).manual_seed(1)
     q, k, v = (
         torch.randn(opts.tokens, heads, D, device=device, dtype=torch.bfloat16, generator=g).requires_grad_()
         for heads in (H, HKV, HKV)
     )
     grad = torch.randn(opts.tokens, H, D, device=device, dtype=torch.bfloat16, generator=g)
-    impls = {"tandem": lambda q, k, v: _varlen_causal(q, k, v, layout), "varlen_attn": varlen_call(layout)}
+    known = {
+        "tandem": lambda: lambda q, k, v: _varlen_causal(q, k, v, layout),
+        "varlen_attn": lambda: varlen_call(layout),
+        "expanded_kv": lambda: lambda q, k, v: _ExpandedKV.apply(q, k, v, layout.cu_seqlens, layout.max_len),
+        "flex": lambda: flex_call(layout, opts.tokens),
+    }
+    impls = {name: known[name]() for name in opts.impls.split(",")}
     runs = {}
     for name, fn in impls.items():
         line = dict(bench="training_attention", impl=name, tokens=opts.tokens, sequences=len(layout.bounds) - 1,
@@ -106,9 +161,13 @@ def main() -> None:
         runs[name] = results(fn, q, k, v, grad)
         runs[f"{name}_again"] = results(fn, q, k, v, grad)
     names = ("out", "dq", "dk", "dv")
-    for a, b in (("tandem", "varlen_attn"), ("tandem", "tandem_again"), ("varlen_attn", "varlen_attn_again")):
+    first = next(iter(impls))
+    pairs = [(first, other) for other in impls if other != first] + [(name, f"{name}_again") for name in impls]
+    for a, b in pairs:
         equal = {n: torch.equal(x, y) for n, x, y in zip(names, runs[a], runs[b])}
-        print(json.dumps(dict(bench="training_attention", compare=[a, b], bitwise_equal=equal)), flush=True)
+        max_diff = {n: (x.float() - y.float()).abs().max().item() for n, x, y in zip(names, runs[a], runs[b])}
+        print(json.dumps(dict(bench="training_attention", compare=[a, b], bitwise_equal=equal, max_abs_diff=max_diff)),
+              flush=True)
 
 
 if __name__ == "__main__":
