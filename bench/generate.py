@@ -2,7 +2,7 @@
 configuration.
 
     python3 bench/generate.py [--shapes 0.6b,1.7b] [--batches 64,256] [--baselines hf,hf_static]
-                              [--long-tail] [--profile] [--quick]
+                              [--long-tail] [--profile] [--gaps] [--quick]
 
 Random bf16 weights of a Qwen3 shape; prompts of 128 random tokens; 256 new tokens forced (no EOS);
 sampling at temperature 1 over the full vocabulary. Each line reports output tokens/s over the
@@ -18,6 +18,9 @@ token) / bandwidth).
 call that only prefills (one new token per request) taken from a profiled call of full budgets,
 per decode step; its header gives both calls' wall time, so the wall time per step beyond the
 kernels' shows too.
+
+`--gaps`: where one profiled call leaves the device idle: the gaps between consecutive kernels by
+size, and the host's CUDA calls by total time.
 
 `--long-tail`: 2048 requests whose budgets follow a truncated Pareto(alpha = 1) on 32..1024 tokens
 (median ~64), decoded at most 256 at a time, against the same 2048 prompts with every budget equal
@@ -188,6 +191,44 @@ def profile(engine: NativeEngine, requests: list[GenerationRequest], device, row
         print(f"{us:9.1f} µs  {us / busy:6.1%}  {name[:110]}", flush=True)
 
 
+def idle_gaps(engine: NativeEngine, requests: list[GenerationRequest], device) -> None:
+    """Where one generate call leaves the device idle: the gaps between consecutive kernels by size
+    (under a microsecond they are kernel boundaries inside a graph; the large ones are the host's
+    checks and prefill), and the host's CUDA calls by total time (`cudaGraphLaunch` per replay)."""
+    import tempfile
+
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    engine.generate(requests)  # warm-up: compile, graph capture
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        engine.generate(requests)
+        sync(device)
+    with tempfile.TemporaryDirectory() as folder:
+        trace = Path(folder) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        events = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X"]
+    kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    if not kernels:
+        print("no device kernels in the trace (a CPU run)", flush=True)
+        return
+    gaps = [b["ts"] - (a["ts"] + a["dur"]) for a, b in zip(kernels, kernels[1:])]
+    span = kernels[-1]["ts"] + kernels[-1]["dur"] - kernels[0]["ts"]
+    busy = sum(e["dur"] for e in kernels)
+    print(f"batch {len(requests)}: {len(kernels)} kernels over {span / 1e3:.1f} ms, busy {busy / 1e3:.1f} ms, "
+          f"idle {(span - busy) / 1e3:.1f} ms", flush=True)
+    for lo, hi in ((0, 1), (1, 10), (10, 200), (200, math.inf)):
+        inside = [g for g in gaps if lo <= g < hi]
+        print(f"  gaps of {lo}-{hi} µs: {len(inside):7d}, {sum(inside) / 1e3:8.2f} ms", flush=True)
+    calls: dict[str, list[float]] = {}
+    for e in events:
+        if e.get("cat") in ("cuda_runtime", "cuda_driver"):
+            calls.setdefault(e["name"], []).append(e["dur"])
+    for name, durations in sorted(calls.items(), key=lambda kv: -sum(kv[1]))[:6]:
+        print(f"  host {name}: {len(durations)} calls, {sum(durations) / 1e3:.2f} ms "
+              f"({sum(durations) / len(durations):.1f} µs each)", flush=True)
+
+
 def emit(record: dict) -> None:
     print(json.dumps(record), flush=True)
 
@@ -204,6 +245,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="tiny shape, small vocab: a CPU smoke test")
     parser.add_argument("--sync-every", type=int, default=8, help="the engine's generation.sync_every")
     parser.add_argument("--profile", action="store_true", help="print one decode step's kernels (prefill taken out)")
+    parser.add_argument("--gaps", action="store_true", help="print where one call leaves the device idle")
     opts = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     vocab = 512 if opts.quick else VOCAB
@@ -220,6 +262,8 @@ def main() -> None:
             engine = build_engine(args, device, batch, PROMPT + NEW, sync_every=opts.sync_every)
             if opts.profile:
                 profile(engine, reqs, device)
+            if opts.gaps:
+                idle_gaps(engine, reqs, device)
             seconds, out = time_engine(engine, reqs, device, opts.reps)
             ours = output_tokens(out) / seconds
             peak = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
