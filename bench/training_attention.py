@@ -5,14 +5,16 @@ JSON line per implementation, then one line comparing their results.
     python3 bench/training_attention.py [--tokens 16384] [--reps 200] [--lengths 100,600]
                                         [--impls tandem,varlen_attn,expanded_kv,flex]
 
-`--impls` adds two alternatives: `expanded_kv`, the same aten ops with K/V repeated for every query
-head (aten then has no grouped heads to sum in the backward), and `flex`, FlexAttention (compiled)
-with a causal document mask.
+`--impls` adds three alternatives: `expanded_kv`, the same aten ops with K/V repeated for every query
+head (aten then has no grouped heads to sum in the backward), `flex`, FlexAttention (compiled)
+with a causal document mask, and `fa4`, FlashAttention 4's varlen kernels (the `flash-attn-4`
+package, CuTe DSL; its Hopper forward and backward).
 
 Qwen3-0.6B attention shape (16 query heads, 8 K/V heads, head_dim 128), bf16, sequences of 100-600
 tokens packed back to back. Per call, three modes: a forward without gradients, a forward that
 records for backward, and forward + backward. `host_us` is the time until the host has queued the
-call (what a host-bound training step pays), `wall_us` until the device has run it. The comparison
+call (what a host-bound training step pays), `wall_us` until the device has run it, `device_us`
+the kernels' own time (from the profiler). The comparison
 line says whether the output and each gradient are bitwise equal; the query gradient's atomic sums
 make it vary between two runs of either, which a second run of each shows.
 """
@@ -98,6 +100,16 @@ def flex_call(layout: SequenceLayout, tokens: int):
                                   enable_gqa=True)[0].transpose(0, 1)
 
 
+def fa4_call(layout: SequenceLayout):
+    """FlashAttention 4's varlen function, causal, grouped K/V heads read as they are."""
+    from flash_attn.cute.interface import flash_attn_varlen_func
+
+    cu, n = layout.cu_seqlens, layout.max_len
+    return lambda q, k, v: flash_attn_varlen_func(
+        q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=n, max_seqlen_k=n, causal=True
+    )[0]
+
+
 def timed(fn, q, k, v, grad, mode: str, reps: int) -> tuple[float, float]:
     """(host µs, wall µs) per call of `mode`: nograd, grad or fwdbwd."""
     with torch.no_grad() if mode == "nograd" else torch.enable_grad():
@@ -117,6 +129,23 @@ def timed(fn, q, k, v, grad, mode: str, reps: int) -> tuple[float, float]:
     return host / reps * 1e6, wall / reps * 1e6
 
 
+def device_time(fn, q, k, v, grad, mode: str, reps: int = 20) -> float:
+    """µs of kernels per call of `mode`, from the profiler: what the call costs where the host keeps
+    ahead (a host-bound call's wall time hides it)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.no_grad() if mode == "nograd" else torch.enable_grad():
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(reps):
+                out = fn(q, k, v)
+                if mode == "fwdbwd":
+                    out.backward(grad)
+            torch.cuda.synchronize()
+    kernels = sum(e.self_device_time_total for e in prof.key_averages() if e.device_type == DeviceType.CUDA)
+    return kernels / reps
+
+
 def results(fn, q, k, v, grad) -> list[torch.Tensor]:
     """Output and the q, k, v gradients of one forward + backward."""
     for t in (q, k, v):
@@ -131,7 +160,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--reps", type=int, default=200)
     parser.add_argument("--lengths", default="100,600", help="shortest,longest sequence")
-    parser.add_argument("--impls", default="tandem,varlen_attn", help="comma list of tandem, varlen_attn, expanded_kv, flex")
+    parser.add_argument("--impls", default="tandem,varlen_attn", help="comma list of tandem, varlen_attn, expanded_kv, flex, fa4")
     opts = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/training_attention.py: needs a CUDA device (both implementations run flash attention)")
@@ -148,6 +177,7 @@ def main() -> None:
         "varlen_attn": lambda: varlen_call(layout),
         "expanded_kv": lambda: lambda q, k, v: _ExpandedKV.apply(q, k, v, layout.cu_seqlens, layout.max_len),
         "flex": lambda: flex_call(layout, opts.tokens),
+        "fa4": lambda: fa4_call(layout),
     }
     impls = {name: known[name]() for name in opts.impls.split(",")}
     runs = {}
@@ -157,6 +187,7 @@ def main() -> None:
         for mode in ("nograd", "grad", "fwdbwd"):
             host, wall = timed(fn, q, k, v, grad, mode, opts.reps)
             line[f"{mode}_host_us"], line[f"{mode}_wall_us"] = round(host, 1), round(wall, 1)
+            line[f"{mode}_device_us"] = round(device_time(fn, q, k, v, grad, mode), 1)
         print(json.dumps(line), flush=True)
         runs[name] = results(fn, q, k, v, grad)
         runs[f"{name}_again"] = results(fn, q, k, v, grad)
