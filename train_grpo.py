@@ -31,6 +31,7 @@ from grpo.run.rank import Run, RunAborted
 from grpo.scoring.scorer import Scorer
 from grpo.train.checkpoint_folders import find_resume
 from model import batch_invariant
+from model.attention import set_packed_kernel
 
 
 def _free_port() -> int:
@@ -114,6 +115,7 @@ def run(cfg: Config, stop: GracefulStop) -> None:
                 torch.use_deterministic_algorithms(True)
             batch_invariant.enable(cfg.job.bitwise_logprobs)
             batch_invariant.set_fp32_logits(cfg.model.fp32_logits)
+            set_packed_kernel(cfg.model.train_attention)
             if cfg.job.bitwise_logprobs and is_leader:
                 print(f"numerics: batch-invariant log-probs, {batch_invariant.describe(device)}", flush=True)
             scorer = None

@@ -2,7 +2,7 @@
 training step, in the same run, one JSON line per configuration.
 
     python3 bench/train.py [--configs a,b,c] [--baselines hf] [--compile both|on|off] [--reps 3]
-                           [--logits fp32,bf16] [--profile DIR]
+                           [--logits fp32,bf16] [--attention flash,fa4] [--profile DIR]
 
 Qwen3-0.6B shape (596M parameters, vocab 151936, tied embeddings), random weights, random tokens.
 - (a) 16 sequences x 1024 tokens;
@@ -12,7 +12,8 @@ Qwen3-0.6B shape (596M parameters, vocab 151936, tied embeddings), random weight
 tandem: `Trainer.train` on a 1-rank mesh (FSDP2, fp32 master weights, bf16 compute, fused AdamW),
 sequences packed into micro-batches of at most `--micro-batch-tokens` tokens, the GRPO loss on the
 completion tokens; its log-prob head reads fp32 logits (`model.fp32_logits`, the default), and
-`--logits fp32,bf16` adds a run on bf16 logits (`_bf16_logits` in its name). HF:
+`--logits fp32,bf16` adds a run on bf16 logits (`_bf16_logits` in its name), and `--attention
+flash,fa4` one on FlashAttention 4 (`model.train_attention`; `_fa4` in its name). HF:
 `AutoModelForCausalLM` in bf16 (SDPA attention), cross-entropy over the batch, `torch.optim.AdamW`;
 (b) runs padded micro-batches of sequences sorted by length, (c) one sequence per micro-batch with
 gradient checkpointing. Both take one optimizer step per batch.
@@ -49,6 +50,7 @@ from model import (  # noqa: E402
     Transformer,
     batch_invariant,  # noqa: E402
 )
+from model.attention import set_packed_kernel  # noqa: E402
 
 CONFIGS = {
     "a": dict(lengths="fixed", n=16, length=1024, checkpointing=False),
@@ -203,6 +205,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--shape", default="0.6b", choices=sorted(SHAPES))
     parser.add_argument("--logits", default="fp32", help="the head's logits dtypes to run tandem with: fp32,bf16")
+    parser.add_argument("--attention", default="flash", help="the trainer's attention kernels to run: flash,fa4")
     parser.add_argument("--profile", default="", help="a folder: write each run's kernel table there")
     opts = parser.parse_args()
     if not torch.cuda.is_available():
@@ -224,11 +227,14 @@ def main() -> None:
         budget = max(opts.micro_batch_tokens, max(lengths))
         flops = model_flops(args, lengths)
         rows = {}
-        runs = [("tandem", c, logits) for c in compile_modes for logits in opts.logits.split(",")]
-        runs += [(b, False, "") for b in opts.baselines.split(",") if b]
-        for impl, compiled, logits in runs:
+        runs = [("tandem", c, logits, attention) for c in compile_modes for logits in opts.logits.split(",")
+                for attention in opts.attention.split(",")]
+        runs += [(b, False, "", "flash") for b in opts.baselines.split(",") if b]
+        for impl, compiled, logits, attention in runs:
             batch_invariant.set_fp32_logits(logits != "bf16")
-            key = f"{impl}{'_compiled' if compiled else ''}{'_bf16_logits' if logits == 'bf16' else ''}"
+            set_packed_kernel(attention)
+            key = (f"{impl}{'_compiled' if compiled else ''}{'_bf16_logits' if logits == 'bf16' else ''}"
+                   f"{'_fa4' if attention == 'fa4' else ''}")
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
             owner = step = None

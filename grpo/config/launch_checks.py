@@ -93,6 +93,26 @@ def check_bitwise(cfg: Config) -> None:
         )
 
 
+def check_train_attention(cfg: Config) -> None:
+    """model.train_attention = "fa4": FlashAttention 4 installed and serving this GPU, in the mode
+    and dtype that reach it."""
+    if cfg.model.train_attention != "fa4":
+        return
+    if cfg.job.bitwise_logprobs:
+        raise ConfigError(
+            'model.train_attention = "fa4" does not apply with job.bitwise_logprobs = true: the trainer then '
+            'runs its batch-invariant attention kernel; set model.train_attention = "flash"'
+        )
+    if cfg.model.dtype == "float32":
+        raise ConfigError('model.train_attention = "fa4" needs bf16 compute (model.dtype = "auto" or "bfloat16")')
+    # Imported here: reading a config must not load torch.
+    from model.fa4 import fa4_problem
+
+    problem = fa4_problem(_device_type(cfg))
+    if problem:
+        raise ConfigError(f'model.train_attention = "fa4" {problem}')
+
+
 def model_shape(cfg: Config) -> ModelArgs:
     """The head and width counts of the model the run will build: the checkpoint's, or the built-in
     shape's (whose heads split model.dim evenly)."""

@@ -28,6 +28,7 @@ OnRewardError = Literal["stop", "zero"]
 ParallelismMode = Literal["split", "colocated"]
 Schedule = Literal["sync", "async"]
 EngineName = Literal["native", "vllm"]
+TrainAttention = Literal["flash", "fa4"]
 LossType = Literal["grpo", "dapo", "dr_grpo", "bnpo", "gspo"]
 KLEstimator = Literal["k1", "k2", "k3"]
 Baseline = Literal["mean", "leave_one_out"]
@@ -78,6 +79,9 @@ class ModelConfig:
     # CUDA, bf16/fp16: the output head's matmul writes fp32 logits (not rounded to bf16) for the native engine and the
     # trainer's log-prob head; a fifth less engine-trainer log-prob gap
     fp32_logits: bool = True
+    # CUDA, bf16/fp16: the trainer's attention kernel (training and scoring passes): "flash" (PyTorch's FlashAttention 2)
+    # | "fa4" (FlashAttention 4, the flash-attn-4 package, Hopper or newer: faster kernels, more host time per call)
+    train_attention: TrainAttention = "flash"
 
 
 @dataclass
