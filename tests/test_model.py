@@ -551,6 +551,41 @@ def test_packed_attention_equals_each_sequence_alone():
         start += n
 
 
+def test_packed_attention_runs_the_chosen_cuda_kernel(monkeypatch):
+    """model.train_attention's choice reaches the packed attention: with the fast kernels serving,
+    "fa4" calls FlashAttention 4 and "flash" aten's ops, each on the flat [N, H, D] token axis and the
+    layout's bounds (the kernels are recorded here; the GPU tests run them)."""
+    import model.attention as attention
+
+    calls = []
+
+    def recorder(name):
+        def kernel(q, k, v, cu_seqlens, max_len):
+            calls.append((name, tuple(q.shape), tuple(k.shape), cu_seqlens.tolist(), max_len))
+            return attention._by_length(q, k, v, cu_seqlens.tolist())
+        return kernel
+
+    monkeypatch.setattr(attention, "uses_flash", lambda t: True)
+    monkeypatch.setattr(attention.fa4, "packed_causal", recorder("fa4"))
+    monkeypatch.setattr(attention, "_varlen_causal", lambda q, k, v, layout: recorder("flash")(
+        q, k, v, layout.cu_seqlens, layout.max_len))
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(1, 8, 4, 8, generator=gen)
+    k, v = torch.randn(1, 8, 2, 8, generator=gen), torch.randn(1, 8, 2, 8, generator=gen)
+    layout = sequence_layout(torch.tensor([[0] * 3 + [1] * 5]), (1, 8), torch.device("cpu"))
+    want = attention._by_length(q[0], k[0], v[0], [0, 3, 8])
+    try:
+        for name in ("fa4", "flash"):
+            attention.set_packed_kernel(name)
+            out = packed_attention(q, k, v, layout)
+            torch.testing.assert_close(out[0], want)
+    finally:
+        attention.set_packed_kernel("flash")
+    assert calls == [(name, (8, 4, 8), (8, 2, 8), [0, 3, 8], 5) for name in ("fa4", "flash")]
+    with pytest.raises(ValueError, match="expected one of"):
+        attention.set_packed_kernel("fa3")
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_logprobs_and_entropy_match_full_logits(temperature, monkeypatch):
     monkeypatch.setattr(logprob_head, "LOGPROB_CHUNK_TOKENS", 5)
