@@ -7,8 +7,8 @@ JSON line per implementation, then one line comparing their results.
 
 `--impls` adds three alternatives: `expanded_kv`, the same aten ops with K/V repeated for every query
 head (aten then has no grouped heads to sum in the backward), `flex`, FlexAttention (compiled)
-with a causal document mask, and `fa4`, FlashAttention 4's varlen kernels (the `flash-attn-4`
-package, CuTe DSL; its Hopper forward and backward).
+with a causal document mask, and `fa4`, FlashAttention 4's varlen kernels as the model calls them with
+`model.train_attention = "fa4"` (model/fa4.py; the `flash-attn-4` package).
 
 Qwen3-0.6B attention shape (16 query heads, 8 K/V heads, head_dim 128), bf16, sequences of 100-600
 tokens packed back to back. Per call, three modes: a forward without gradients, a forward that
@@ -33,6 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from model import fa4  # noqa: E402
 from model.attention import SequenceLayout, _varlen_causal  # noqa: E402
 
 H, HKV, D = 16, 8, 128
@@ -98,16 +99,6 @@ def flex_call(layout: SequenceLayout, tokens: int):
     heads_first = lambda t: t.transpose(0, 1)[None]  # noqa: E731
     return lambda q, k, v: attend(heads_first(q), heads_first(k), heads_first(v), block_mask=mask,
                                   enable_gqa=True)[0].transpose(0, 1)
-
-
-def fa4_call(layout: SequenceLayout):
-    """FlashAttention 4's varlen function, causal, grouped K/V heads read as they are."""
-    from flash_attn.cute.interface import flash_attn_varlen_func
-
-    cu, n = layout.cu_seqlens, layout.max_len
-    return lambda q, k, v: flash_attn_varlen_func(
-        q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=n, max_seqlen_k=n, causal=True
-    )[0]
 
 
 def timed(fn, q, k, v, grad, mode: str, reps: int) -> tuple[float, float]:
@@ -177,7 +168,7 @@ def main() -> None:
         "varlen_attn": lambda: varlen_call(layout),
         "expanded_kv": lambda: lambda q, k, v: _ExpandedKV.apply(q, k, v, layout.cu_seqlens, layout.max_len),
         "flex": lambda: flex_call(layout, opts.tokens),
-        "fa4": lambda: fa4_call(layout),
+        "fa4": lambda: lambda q, k, v: fa4.packed_causal(q, k, v, layout.cu_seqlens, layout.max_len),
     }
     impls = {name: known[name]() for name in opts.impls.split(",")}
     runs = {}

@@ -32,8 +32,9 @@ DEVICE = torch.device("cuda")
 @pytest.fixture(params=["flash", "fa4"])
 def train_attention(request):
     """Each kernel of `model.train_attention` in turn; FA4 where it serves this machine."""
-    if request.param == "fa4" and fa4_problem("cuda"):
-        pytest.skip(f"FlashAttention 4 {fa4_problem('cuda')}")
+    problem = fa4_problem("cuda") if request.param == "fa4" else None
+    if problem:
+        pytest.skip(f"FlashAttention 4 {problem}")
     set_packed_kernel(request.param)
     yield request.param
     set_packed_kernel("flash")
@@ -106,8 +107,9 @@ def test_compiled_halves_and_head_match_eager_for_any_token_count():
 def test_fa4_model_forward_and_gradients_agree_with_flash():
     """The whole model on FlashAttention 4 against the same model on aten's FlashAttention 2: the
     kernels differ only in their bf16 rounding."""
-    if fa4_problem("cuda"):
-        pytest.skip(f"FlashAttention 4 {fa4_problem('cuda')}")
+    problem = fa4_problem("cuda")
+    if problem:
+        pytest.skip(f"FlashAttention 4 {problem}")
     model = _model()
     tokens, positions, doc_ids = _packed([5, 200, 1, 77, 130], 3)
     results = []
