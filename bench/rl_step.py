@@ -3,6 +3,7 @@
     python3 bench/rl_step.py [--steps N] [--skip K] [--body 0.6b|8b] [-- extra train_grpo.py overrides]
     python3 bench/rl_step.py --body 8b -- --lora.rank=32 --lora.alpha=32 --model.activation_checkpointing=true   # 8B, LoRA
     python3 bench/rl_step.py --tiny --steps 2 -- --data.prompts_per_step=4 --generation.max_new_tokens=8   # CPU smoke test
+    python3 bench/rl_step.py -- --training.schedule=async   # generation of step n + 1 beside the training of step n
 
 Builds (once, in --workdir) a random-weight bf16 HF checkpoint with the Qwen3-0.6B body (28 layers,
 hidden 1024, 16 / 8 heads, head_dim 128, FFN 3072, tied embeddings) and the 600-token BPE tokenizer
@@ -40,9 +41,10 @@ PER_STEP = (
     "time/step_s", "time/generate_s", "time/score_s", "time/train_s", "time/weight_sync_s", "time/gc_s",
     "throughput/generate_tok_s", "throughput/train_tok_s", "throughput/mfu",
     "episode/length_mean", "logprob_diff/mean", "logprob_diff/max",
-    "memory/generate_peak_gb", "memory/train_peak_gb",
+    "memory/generate_peak_gb", "memory/train_peak_gb", "time/generation_wait_s",
 )
-MEDIANS = PER_STEP[:9] + ("episode/length_mean", "memory/generate_peak_gb", "memory/train_peak_gb")
+MEDIANS = PER_STEP[:9] + ("episode/length_mean", "memory/generate_peak_gb", "memory/train_peak_gb",
+                          "time/generation_wait_s")
 # Step 0's row: the whole policy's first sync and the trainable share.
 FIRST = ("weight_sync/full_s", "weight_sync/full_bytes", "model/trainable_params", "model/params")
 

@@ -1,5 +1,6 @@
 """The async schedule (training.schedule = "async"): config checks, the fixed policy lag, weights
-after each swap, learning on the demo. Exact resume is in test_resume.py."""
+after each swap, colocated ranks against split ones, learning on the demo. Exact resume is in
+test_resume.py."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from grpo.config import ConfigError, load_config
 from tests.dist_utils import run_ranks
@@ -17,9 +19,10 @@ from tests.test_e2e import SHORT, launch, metrics
 ASYNC = ["--parallelism.mode=split", "--training.schedule=async"]
 
 
-def test_async_needs_split_roles():
-    with pytest.raises(ConfigError, match='training.schedule = "async" needs split roles'):
-        load_config(["--training.schedule=async", "--parallelism.mode=colocated"], world_size=2)
+def test_colocated_async_needs_the_native_engine():
+    assert load_config(["--training.schedule=async", "--parallelism.mode=colocated"], world_size=2).training.schedule == "async"
+    with pytest.raises(ConfigError, match='on colocated ranks needs generation.engine = "native"'):
+        load_config(["--training.schedule=async", "--parallelism.mode=colocated", "--generation.engine=vllm"], world_size=2)
 
 
 def test_async_refuses_dynamic_sampling_and_a_lag_below_one():
@@ -99,3 +102,28 @@ def test_async_demo_learns_with_bounded_staleness(tmp_path):
     assert all(r["staleness/mean"] <= 1 for r in steps)
     assert "tis/mean_weight" in steps[-1]
     assert rows[-1]["eval/accuracy"] >= 0.8, rows[-1]
+
+
+def test_colocated_async_equals_split_async(tmp_path):
+    """k = 2, 4 steps: one colocated rank, generating in its background thread while it trains, makes
+    the same per-step rewards, losses and staleness and the same final weights as 1 generator + 1
+    trainer on the same schedule (the lag, not the layout, decides which weights generate a batch)."""
+    args = [*SHORT, "--training.steps=4", "--training.schedule=async", "--training.max_staleness=2"]
+    split = launch([*args, "--parallelism.mode=split", f"--job.output_dir={tmp_path / 'split'}"], nproc=2)
+    assert split.returncode == 0, split.stderr[-3000:]
+    colocated = launch([*args, "--parallelism.mode=colocated", f"--job.output_dir={tmp_path / 'colo'}"], nproc=None)
+    assert colocated.returncode == 0, colocated.stderr[-3000:]
+
+    keys = ("reward/mean", "loss/policy", "staleness/max", "staleness/mean", "logprob_diff/mean")
+    split_rows, colo_rows = metrics(tmp_path / "split"), metrics(tmp_path / "colo")
+    assert len(colo_rows) == 5 and all("reward/mean" in r for r in colo_rows[1:])
+    assert [r["staleness/max"] for r in colo_rows[1:]] == [0, 1, 2, 2]
+    assert all(r["time/generation_wait_s"] >= 0 for r in colo_rows[1:])
+    assert not any("time/generation_wait_s" in r for r in split_rows)
+    for key in keys:
+        assert [r.get(key) for r in split_rows] == [r.get(key) for r in colo_rows], key
+    split_weights = load_file(tmp_path / "split" / "hf" / "step_4" / "model.safetensors")
+    colo_weights = load_file(tmp_path / "colo" / "hf" / "step_4" / "model.safetensors")
+    assert split_weights.keys() == colo_weights.keys()
+    for name in split_weights:
+        assert split_weights[name].equal(colo_weights[name]), name

@@ -33,6 +33,8 @@ MODES = {
     "colocated": ["--parallelism.mode=colocated"],
     # k = 2: the checkpoint holds two batches generated ahead, by two different policy versions
     "async": ["--parallelism.mode=split", "--training.schedule=async", "--training.max_staleness=2"],
+    # two colocated ranks, each generating in its background thread while they train together
+    "colocated-async": ["--parallelism.mode=colocated", "--training.schedule=async", "--training.max_staleness=2"],
 }
 
 

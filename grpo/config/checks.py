@@ -247,10 +247,11 @@ def _check_training(cfg: Config) -> None:
     require(t.max_bad_steps >= 1, "training.max_bad_steps", t.max_bad_steps, "must be >= 1")
     require(t.max_staleness >= 1, "training.max_staleness", t.max_staleness, "must be >= 1")
     if t.schedule == "async":
-        if cfg.parallelism.mode == "colocated":
+        if cfg.parallelism.mode == "colocated" and cfg.generation.engine != "native":
             raise ConfigError(
-                'training.schedule = "async" needs split roles: colocated ranks cannot generate and train at '
-                'once (set --parallelism.mode=split, or --training.schedule=sync)'
+                f'training.schedule = "async" on colocated ranks needs generation.engine = "native": the '
+                f"{cfg.generation.engine} engine cannot decode in a background thread while the rank trains "
+                "(set --parallelism.mode=split, or --training.schedule=sync)"
             )
         if p.dynamic_sampling:
             raise ConfigError(

@@ -91,7 +91,9 @@ class DecodeStep:
                 self.step(rows, sp)
         torch.cuda.current_stream(self.cache.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # Thread-local: a colocated rank on the async schedule captures while its main thread trains,
+        # and the trainer's own calls (allocations among them) must not break this capture.
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             self.step(rows, sp)
         self.graphs[(size, graph_key(sp))] = graph
         return graph
