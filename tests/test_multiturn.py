@@ -24,16 +24,19 @@ def _launch(args: list[str], nproc: int | None, env: dict[str, str] | None = Non
                           capture_output=True, text=True, timeout=600)
 
 
-@pytest.mark.parametrize("mode", ["split", "colocated"])
+@pytest.mark.parametrize("mode", ["split", "colocated", "colocated-async"])
 def test_digit_relay_is_learned_and_trained_on_the_tokens_sampled_and_heard(tmp_path, mode):
     """Every training episode of every step, as the trainer holds it (samples.jsonl with all
     groups), equals the prompt, the sampled turns and the environment's replies as the environment
     logged them, bitwise. Split, the recipe as it ships (50 steps): held-out reward from <= 0.15 to
-    >= 0.8, more than a policy deaf to the environment can score (0.55); colocated, 4 steps."""
-    args = [*RELAY, f"--parallelism.mode={mode}", f"--job.output_dir={tmp_path}",
+    >= 0.8, more than a policy deaf to the environment can score (0.55); colocated, 4 steps (on the
+    async schedule the conversations run in the background thread while the rank trains)."""
+    args = [*RELAY, f"--parallelism.mode={mode.split('-')[0]}", f"--job.output_dir={tmp_path}",
             "--env.name=tests.fixtures.relay_log:logging_relay", "--metrics.samples_every=1", "--metrics.samples_prompts=32"]
-    if mode == "colocated":
+    if mode.startswith("colocated"):
         args += ["--training.steps=4", "--eval.every=0"]
+    if mode == "colocated-async":
+        args += ["--training.schedule=async"]
     log = tmp_path / "relay.jsonl"
     result = _launch(args, nproc=2 if mode == "split" else None, env={"RELAY_LOG": str(log)})
     assert result.returncode == 0, result.stderr[-3000:]

@@ -75,6 +75,7 @@ class AsyncSteps:
             self._generate(step + self.lag)
 
         reward_sums, failure, train_metrics, score_s, train_s = {}, None, {}, 0.0, 0.0
+        memory: dict[str, float] = {}
         try:
             if run.roles.is_trainer:
                 score_start = time.perf_counter()
@@ -83,9 +84,12 @@ class AsyncSteps:
                     train_batch, _ = run.advantages(episodes)
                     train_start = time.perf_counter()
                     score_s = train_start - score_start
-                    with run.waiting(f"the other {run.peers()[1]} (FSDP collectives)"):
+                    # On colocated ranks the peak counts the generation running beside the training.
+                    with run.waiting(f"the other {run.peers()[1]} (FSDP collectives)"), \
+                            run.peak_memory("memory/train_peak_gb", memory):
                         train_metrics = run.trainer.train(train_batch)
                     train_s = time.perf_counter() - train_start
+                    train_metrics.update(memory)
         finally:
             # The engine takes new weights only between two batches (and a failure above must not
             # leave the thread decoding while the process unwinds).
