@@ -49,6 +49,10 @@ class BackgroundGeneration(Generic[T]):
     def _run(self, work: Callable[[], T]) -> None:
         on_stream = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
         try:
+            if self.stream is not None:
+                # A new thread starts on device 0: Triton's launches and any default-device tensor
+                # must go to this rank's GPU.
+                torch.cuda.set_device(self.stream.device)
             with on_stream:
                 self._outcome["value"] = work()
         except BaseException as error:  # handed to the joining thread, which raises it
