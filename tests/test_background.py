@@ -20,8 +20,10 @@ def test_work_runs_beside_the_caller_and_join_returns_its_result():
         return threading.current_thread().name
 
     background.start(work)
-    assert background.running
+    assert background.running and not background.finished
     released.set()
+    while not background.finished:
+        released.wait(0.01)
     assert background.join() == "tandem-generation"
     assert not background.running
 

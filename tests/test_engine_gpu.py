@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from grpo.engine import GenerationRequest, NativeEngine, SamplingParams
+from grpo.run.background import BackgroundGeneration
 from model import ModelArgs, Transformer
 from model.attention import slot_decode, suffix_prefill, varlen_prefill
 
@@ -142,6 +143,31 @@ def test_cuda_graph_replay_equals_eager_steps():
     again = graphed_engine.generate(reqs[:5])
     assert [c.tokens for c in again] == [c.tokens for c in eager[:5]]
     assert len(graphed_engine.decoder.graphs) >= 2
+
+
+def test_generation_beside_a_training_load_equals_generation_alone():
+    """A colocated async rank: the engine decodes in a background thread, on its own stream,
+    capturing its graphs there, while the main thread runs forward and backward passes on the
+    default stream. The completions are those of the same engine run alone, bit for bit."""
+    model = reference_model(torch.bfloat16)
+    sampling = SamplingParams(max_new_tokens=48, temperature=1.0)
+    reqs = requests(24, samples=4)
+    alone = engine(model, sampling).generate(reqs)
+    beside = engine(model, sampling)
+    # Drawn before the start: PyTorch registers the default CUDA generator with every graph capture,
+    # so the main thread must not draw from it while the background thread captures.
+    weight = torch.randn(2048, 2048, device=DEVICE, requires_grad=True)
+    x = torch.randn(4096, 2048, device=DEVICE)
+    background = BackgroundGeneration(torch.device(DEVICE, torch.cuda.current_device()))
+    background.start(lambda: beside.generate(reqs))
+    passes = 0
+    while not background.finished:
+        ((x + passes) @ weight).relu().square().sum().backward()
+        passes += 1
+    completions = background.join()
+    assert passes > 0 and beside.decoder.graphs
+    assert [c.tokens for c in completions] == [c.tokens for c in alone]
+    assert [c.logprobs for c in completions] == [c.logprobs for c in alone]
 
 
 def test_compiled_bf16_engine_agrees_with_eager_bf16():

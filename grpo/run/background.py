@@ -7,6 +7,11 @@ work on a stream of its own, so the device can interleave decode and training ke
 streams meet at two points only: `start` (generation sees everything the caller's stream wrote
 before it, such as the last weight update) and `join` (the caller's stream sees everything
 generation wrote).
+
+While the thread captures a CUDA graph (the engine does so for each new batch size), the caller
+must not draw random numbers from the default CUDA generator: PyTorch ties that generator to every
+capture, and a draw from another thread fails the capture ("Offset increment outside graph
+capture"). The training step draws none.
 """
 
 from __future__ import annotations
@@ -34,6 +39,11 @@ class BackgroundGeneration(Generic[T]):
     def running(self) -> bool:
         """Whether a callable was started and not yet joined."""
         return self._thread is not None
+
+    @property
+    def finished(self) -> bool:
+        """Whether the running callable has returned or raised (`join` would not wait)."""
+        return self._thread is not None and not self._thread.is_alive()
 
     def start(self, work: Callable[[], T]) -> None:
         """Run `work()` in the background. Raises RuntimeError if the previous one was not joined."""
