@@ -1,8 +1,10 @@
 """Sync against async schedules on the same config: steps/s, tokens/s, and the ceiling they set.
 
-    python3 bench/schedule.py [--nproc 2] [--steps 60] [--skip 5] [--lags 1,2] [-- extra train_grpo.py args]
+    python3 bench/schedule.py [--mode split|colocated] [--nproc 2] [--steps 60] [--skip 5] [--lags 1,2]
+                              [-- extra train_grpo.py args]
 
-Runs train_grpo.py (split roles, 1 generator rank, the rest trainers; the embedded demo unless the
+Runs train_grpo.py (split roles, 1 generator rank, the rest trainers; or `--mode colocated`, every
+rank both, generating in a background thread on the async schedule; the embedded demo unless the
 extra arguments say otherwise) once with `training.schedule = "sync"` and once per lag k with
 `"async"`, and prints one JSON line per run: the median step time over steps skip + 1 .. steps,
 steps/s, completion tokens/s, and the median generation time G and scoring + training time T of
@@ -29,7 +31,7 @@ def run(schedule: str, lag: int, opts, extra: list[str], workdir: Path) -> dict:
     out = workdir / f"{schedule}_k{lag}"
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={opts.nproc}",
-        str(REPO / "train_grpo.py"), "--parallelism.mode=split", f"--training.schedule={schedule}",
+        str(REPO / "train_grpo.py"), f"--parallelism.mode={opts.mode}", f"--training.schedule={schedule}",
         f"--training.max_staleness={max(lag, 1)}", f"--training.steps={opts.steps}", f"--job.output_dir={out}",
         "--checkpoint.resume=none", "--metrics.progress_bar=false", *extra,
     ]
@@ -42,7 +44,7 @@ def run(schedule: str, lag: int, opts, extra: list[str], workdir: Path) -> dict:
     step_s = statistics.median(r["time/step_s"] for r in steps)
     tokens = statistics.median(r["episode/length_mean"] for r in steps) * rows_per_step(out)
     return dict(
-        bench="schedule", schedule=schedule, max_staleness=lag, steps=opts.steps, skip=opts.skip,
+        bench="schedule", mode=opts.mode, schedule=schedule, max_staleness=lag, steps=opts.steps, skip=opts.skip,
         nproc=opts.nproc, step_s=round(step_s, 4), steps_per_s=round(1 / step_s, 2),
         completion_tok_s=round(tokens / step_s, 1),
         generate_s=round(statistics.median(r["time/generate_s"] for r in steps), 4),
@@ -66,6 +68,7 @@ def main() -> None:
     extra = argv[argv.index("--") + 1 :] if "--" in argv else []
     own = argv[: argv.index("--")] if "--" in argv else argv
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mode", choices=["split", "colocated"], default="split", help="parallelism.mode of every run")
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--skip", type=int, default=5, help="first steps left out of the medians (warm-up)")
