@@ -5,6 +5,7 @@ Launch (config.toml documents every key; override any with --section.key=value):
     torchrun --nproc_per_node=2 train_grpo.py                             # 1 generator + 1 trainer rank
     torchrun --nproc_per_node=2 train_grpo.py --parallelism.mode=colocated
     python train_grpo.py --parallelism.mode=colocated                     # one process
+    python train_grpo.py --parallelism.mode=colocated --training.schedule=async   # generates while it trains
     torchrun --nproc_per_node=8 train_grpo.py --parallelism.generator_ranks=2 --config my.toml
 """
 
