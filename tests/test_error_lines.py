@@ -66,6 +66,32 @@ def test_a_kv_cache_too_small_for_one_sequence_is_one_line(tmp_path, capsys):
     assert "Traceback" not in err
 
 
+@pytest.mark.parametrize(
+    ("options", "advice"),
+    [
+        (["--generation.release_kv_cache=false"], "set generation.release_kv_cache = true"),
+        (["--training.schedule=async"], "the async schedule keeps the KV cache while the rank trains"),
+    ],
+    ids=["sync-kv-kept", "async"],
+)
+def test_the_trainer_out_of_memory_is_one_line_with_what_to_lower(tmp_path, capsys, monkeypatch, options, advice):
+    """A training step that runs out of device memory (raised here as CUDA raises it) stops the run
+    with one line naming the micro-batch budget and the settings of this run that would lower it."""
+    from grpo.train.trainer import Trainer
+
+    def out_of_memory(self, batch):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(Trainer, "train", out_of_memory)
+    code = train_grpo.main([*ONE_RANK, *options, "--training.micro_batch_tokens=4096", f"--job.output_dir={tmp_path}"])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert code == 1 and len(lines) == 1, err
+    assert lines[0].startswith("error: the trainer ran out of device memory on cpu: lower training.micro_batch_tokens (now 4096)")
+    assert "set model.activation_checkpointing = true" in lines[0] and advice in lines[0]
+    assert "Traceback" not in err
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
     return build_checkpoint(tmp_path_factory.mktemp("hf") / "tiny")

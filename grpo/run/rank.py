@@ -230,12 +230,16 @@ class Run:
         if self.device.type != "cuda":
             yield
             return
-        outside_bytes = self.engine.outside_bytes if self.engine is not None else mapped_bytes
         torch.cuda.reset_peak_memory_stats(self.device)
-        outside = outside_bytes()
+        outside = self.outside_bytes()
         yield
-        peak = torch.cuda.max_memory_allocated(self.device) + max(outside, outside_bytes())
+        peak = torch.cuda.max_memory_allocated(self.device) + max(outside, self.outside_bytes())
         into[key] = max(into.get(key, 0.0), peak / 1e9)
+
+    def outside_bytes(self) -> int:
+        """Device memory this rank holds outside PyTorch's allocator: the native engine's mapped KV
+        cache (grpo/engine/vmm.py), vLLM's process."""
+        return self.engine.outside_bytes() if self.engine is not None else mapped_bytes()
 
     def waiting(self, what: str):
         """Name this rank and `what` it waits for if a collective inside the block times out."""
