@@ -108,14 +108,15 @@ def workload_args(ckpt: Path, data: Path) -> list[str]:
     ]
 
 
-def override(extra: list[str], key: str, default: int) -> int:
-    """The value train_grpo.py will see for an int key: the last of `--key=v` / `--key v` in `extra`."""
+def override(extra: list[str], key: str, default: int | str) -> int | str:
+    """The value train_grpo.py will see for an int or str key: the last of `--key=v` / `--key v` in
+    `extra`, of the default's type."""
     value = default
     for i, arg in enumerate(extra):
         if arg.startswith(f"--{key}="):
-            value = int(arg.split("=", 1)[1])
+            value = type(default)(arg.split("=", 1)[1])
         elif arg == f"--{key}" and i + 1 < len(extra):
-            value = int(extra[i + 1])
+            value = type(default)(extra[i + 1])
     return value
 
 
@@ -170,7 +171,7 @@ def main() -> None:
         print(json.dumps({"step": r["step"], **{k: r[k] for k in PER_STEP if k in r}}))
     # The async schedule's last max_staleness steps have nothing left to generate beside their
     # training: they are the run's drain, not its steady state, so the medians leave them out.
-    drain = override(extra, "training.max_staleness", 1) if "--training.schedule=async" in extra else 0
+    drain = override(extra, "training.max_staleness", 1) if override(extra, "training.schedule", "sync") == "async" else 0
     timed = step_rows[opts.skip : len(step_rows) - drain] or step_rows
     summary = {
         "bench": "rl_step",
