@@ -19,7 +19,8 @@ class TrainingOutOfMemory(TandemError, RuntimeError):
 @contextmanager
 def explain_out_of_memory(cfg: Config, device: torch.device, held_elsewhere: Callable[[], int]) -> Iterator[None]:
     """Turn torch.OutOfMemoryError inside the block into TrainingOutOfMemory. held_elsewhere()
-    gives the bytes this rank's device holds outside PyTorch's allocator (the mapped KV cache)."""
+    gives the bytes this rank's device holds outside PyTorch's allocator (the native engine's mapped
+    KV cache, vLLM's process)."""
     try:
         yield
     except torch.OutOfMemoryError:
@@ -31,7 +32,8 @@ def out_of_memory_advice(cfg: Config, device: torch.device, held_elsewhere_bytes
     in_use = ""
     if device.type == "cuda":
         allocated = torch.cuda.memory_allocated(device) / 1e9
-        in_use = f" ({allocated:.1f} GB allocated by PyTorch, {held_elsewhere_bytes / 1e9:.1f} GB held by the KV cache)"
+        in_use = (f" ({allocated:.1f} GB allocated by PyTorch, {held_elsewhere_bytes / 1e9:.1f} GB held outside it by "
+                  "the generation engine)")
     t, g = cfg.training, cfg.generation
     remedies = [f"lower training.micro_batch_tokens (now {t.micro_batch_tokens})"]
     if not cfg.model.activation_checkpointing:
