@@ -155,8 +155,10 @@ def time_hf(model, batch_prompts, device, static: bool, reps: int) -> float:
     return best
 
 
-def kernel_times(engine: NativeEngine, requests: list[GenerationRequest], device) -> tuple[float, dict[str, float]]:
-    """(wall seconds, device µs per kernel name) of one profiled generate call."""
+def kernel_times(
+    engine: NativeEngine, requests: list[GenerationRequest], device
+) -> tuple[float, dict[str, float], dict[str, int]]:
+    """(wall seconds, device µs per kernel name, launches per kernel name) of one profiled generate call."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
@@ -167,8 +169,8 @@ def kernel_times(engine: NativeEngine, requests: list[GenerationRequest], device
         engine.generate(requests)
         sync(device)
         wall = time.perf_counter() - start
-    totals = {e.key: e.self_device_time_total for e in prof.key_averages() if e.device_type == DeviceType.CUDA}
-    return wall, totals
+    kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
+    return wall, {e.key: e.self_device_time_total for e in kernels}, {e.key: e.count for e in kernels}
 
 
 def profile(engine: NativeEngine, requests: list[GenerationRequest], device, rows: int = 30) -> None:
@@ -179,16 +181,17 @@ def profile(engine: NativeEngine, requests: list[GenerationRequest], device, row
                     for r in requests]
     engine.generate(requests)  # warm-up: compile, graph capture
     engine.generate(prefill_only)
-    short_wall, short = kernel_times(engine, prefill_only, device)
-    full_wall, full = kernel_times(engine, requests, device)
+    short_wall, short, short_counts = kernel_times(engine, prefill_only, device)
+    full_wall, full, full_counts = kernel_times(engine, requests, device)
     steps = NEW - 1
     per_step = {k: (full.get(k, 0.0) - short.get(k, 0.0)) / steps for k in full}
+    launches = {k: (full_counts[k] - short_counts.get(k, 0)) / steps for k in full_counts}
     busy = sum(per_step.values())
     print(f"batch {len(requests)}: whole call {full_wall * 1e3:.1f} ms, prefill-only call {short_wall * 1e3:.1f} ms "
           f"(device {sum(short.values()) / 1e3:.1f} ms); per decode step: wall {(full_wall - short_wall) / steps * 1e3:.2f} ms, "
-          f"device {busy / 1e3:.2f} ms", flush=True)
+          f"device {busy / 1e3:.2f} ms, {sum(launches.values()):.0f} kernels", flush=True)
     for name, us in sorted(per_step.items(), key=lambda kv: -kv[1])[:rows]:
-        print(f"{us:9.1f} µs  {us / busy:6.1%}  {name[:110]}", flush=True)
+        print(f"{us:9.1f} µs  {us / busy:6.1%}  {launches[name]:6.1f}×  {name[:100]}", flush=True)
 
 
 def idle_gaps(engine: NativeEngine, requests: list[GenerationRequest], device) -> None:
