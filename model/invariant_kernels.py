@@ -170,9 +170,9 @@ def _packed_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_seqlens, scale,
 @triton.jit
 def _slot_kernel(q_ptr, k_ptr, v_ptr, out_ptr, slots_ptr, lengths_ptr, share_slots_ptr, share_lens_ptr,
                  new_k_ptr, new_v_ptr, scale,
-                 stride_qb, stride_qh, stride_ks, stride_kl, stride_kh, stride_nb, stride_nh, stride_ob, stride_oh,
-                 G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 PRECISION: tl.constexpr, STORE_NEW: tl.constexpr):
+                 stride_qb, stride_qh, stride_ks, stride_kl, stride_kh, stride_nkb, stride_nkh, stride_nvb,
+                 stride_nvh, stride_ob, stride_oh, G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, STORE_NEW: tl.constexpr):
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     slot = tl.load(slots_ptr + row).to(tl.int64)
@@ -188,10 +188,9 @@ def _slot_kernel(q_ptr, k_ptr, v_ptr, out_ptr, slots_ptr, lengths_ptr, share_slo
         # The row's own key and value go into its slot here rather than by two copy kernels per
         # layer; the barrier makes them visible to every thread of the program before the loop
         # reads them back with the rest of the slot, so the values attended are the same bits.
-        new = row * stride_nb + kv_head * stride_nh + d
         at = slot * stride_ks + (length - 1).to(tl.int64) * stride_kl + kv_head * stride_kh + d
-        tl.store(k_ptr + at, tl.load(new_k_ptr + new))
-        tl.store(v_ptr + at, tl.load(new_v_ptr + new))
+        tl.store(k_ptr + at, tl.load(new_k_ptr + row * stride_nkb + kv_head * stride_nkh + d))
+        tl.store(v_ptr + at, tl.load(new_v_ptr + row * stride_nvb + kv_head * stride_nvh + d))
         tl.debug_barrier()
     m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l = tl.zeros((BLOCK_M,), tl.float32)
@@ -260,19 +259,24 @@ def slot_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     problem = slot_attention_unsupported(H, Hkv, D)
     if problem:
         raise ValueError(f"the decode attention kernel does not support {problem}")
-    q = q.contiguous()
-    out = torch.empty_like(q)
+    # q may be a view into the rotated query and key heads (Attention._fused_qk_norm): rows and heads
+    # are read at their strides, so only the head dimension must be contiguous.
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    out = torch.empty((B, H, D), dtype=q.dtype, device=q.device)
     if B == 0:
         return out
     store = new_k is not None
-    if store and (new_k.stride(-1) != 1 or new_v.stride() != new_k.stride()):
-        new_k, new_v = new_k.contiguous(), new_v.contiguous()
-    if not store:
+    if store:
+        # Each is read in its own layout (V is a column block of the fused projection's output):
+        # a copy into one shared layout would cost a kernel per layer.
+        new_k = new_k if new_k.stride(-1) == 1 else new_k.contiguous()
+        new_v = new_v if new_v.stride(-1) == 1 else new_v.contiguous()
+    else:
         new_k = new_v = q  # not read
     _slot_kernel[(B, Hkv)](
         q, k_cache, v_cache, out, slots, lengths, share_slots, share_lens, new_k, new_v, D**-0.5,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        new_k.stride(0), new_k.stride(1), out.stride(0), out.stride(1),
+        new_k.stride(0), new_k.stride(1), new_v.stride(0), new_v.stride(1), out.stride(0), out.stride(1),
         G=H // Hkv, D=D, BLOCK_M=ATTENTION_BLOCK_M, BLOCK_N=ATTENTION_BLOCK_N,
         PRECISION=_precision(q), STORE_NEW=store, num_warps=ATTENTION_WARPS, num_stages=ATTENTION_DECODE_STAGES,
     )

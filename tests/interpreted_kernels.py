@@ -96,8 +96,14 @@ def check_attention() -> None:
     k_new, v_new = k_cache.clone(), v_cache.clone()
     for s, length in enumerate(lengths):
         k_new[s, length - 1], v_new[s, length - 1] = float("nan"), float("nan")
-    stored = kernels.slot_attention(q[last], k_new, v_new, torch.arange(len(lengths)),
-                                    torch.tensor(lengths, dtype=torch.int32), new_k=k[last], new_v=v[last])
+    # Q and V handed over as views into wider rows, as the fused projection's output holds them, so
+    # their strides differ from K's.
+    wide = torch.cat([torch.full_like(v[last], float("nan")), v[last]], dim=1)
+    new_v = wide[:, Hkv:]
+    q_view = torch.cat([q[last], k[last]], dim=1)[:, :H]
+    assert new_v.stride() != k[last].stride() and not q_view.is_contiguous()
+    stored = kernels.slot_attention(q_view, k_new, v_new, torch.arange(len(lengths)),
+                                    torch.tensor(lengths, dtype=torch.int32), new_k=k[last], new_v=new_v)
     assert torch.equal(stored, packed[last])
     assert torch.equal(k_new.nan_to_num(7.0), k_cache.nan_to_num(7.0))
     assert torch.equal(v_new.nan_to_num(7.0), v_cache.nan_to_num(7.0))
