@@ -185,8 +185,51 @@ def check_silu_mul() -> None:
     assert silu_mul(x[:, :0]).shape == (1, 0, 1500)
 
 
+def check_slot_step() -> None:
+    """The decode step's slot-state kernels (grpo/engine/slot_kernels.py) against slot_step.py's
+    plain torch: rows that go on, finish on EOS or at their budget, a finished row, and padding
+    rows on the scratch slot; more rows than one program's block."""
+    from types import SimpleNamespace
+
+    from grpo.engine import slot_kernels, slot_step
+
+    g = torch.Generator().manual_seed(5)
+    n_slots, max_len, eos_ids = 300, 40, torch.tensor([7, 11])
+    scratch = n_slots
+    state = SimpleNamespace(
+        last_token=torch.randint(0, 50, (n_slots + 1,), generator=g),
+        position=torch.randint(0, 30, (n_slots + 1,), generator=g),
+        key=torch.randint(0, 2**32, (n_slots + 1,), generator=g),
+        budget=torch.randint(2, max_len, (n_slots + 1,), generator=g),
+        generated=torch.randint(0, 2, (n_slots + 1,), generator=g),
+        done=torch.rand(n_slots + 1, generator=g) < 0.1,
+        eos=torch.zeros(n_slots + 1, dtype=torch.bool),
+        out_tokens=torch.randint(0, 50, (n_slots + 1, max_len), generator=g),
+        out_logprobs=torch.randn(n_slots + 1, max_len, generator=g),
+        share_slot=torch.randint(0, n_slots, (n_slots + 1,), generator=g),
+        share_len=torch.randint(0, 20, (n_slots + 1,), dtype=torch.int32, generator=g),
+    )
+    state.done[scratch], state.budget[:5] = True, state.generated[:5] + 1  # rows 0-4 end at their budget
+    rows = torch.cat([torch.randperm(n_slots, generator=g)[:270], torch.full((20,), scratch)])
+    new = torch.randint(0, 50, (len(rows),), generator=g)
+    new[:40:4] = 7  # some rows draw EOS
+    logprob = torch.randn(len(rows), generator=g)
+
+    want = slot_step.read_slots(state, rows)
+    got = slot_kernels.read_slots(state, rows)
+    for a, b in zip(want, got):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    after = SimpleNamespace(**{k: v.clone() for k, v in vars(state).items()})
+    slot_step.advance_slots(state, rows, new, logprob, eos_ids)
+    slot_kernels.advance_slots(after, rows, new, logprob, eos_ids)
+    for name, value in vars(state).items():
+        assert torch.equal(value, getattr(after, name)), name
+    # The batch drew EOS on a row still going, and left a row that was already finished as it was.
+    assert state.eos.any() and state.done[rows[:270]].sum() > 0
+
+
 CHECKS = {"matmul": check_matmul, "gumbel_sample": check_gumbel_sample, "silu_mul": check_silu_mul,
-          "rms_norm": check_rms_norm, "attention": check_attention,
+          "rms_norm": check_rms_norm, "attention": check_attention, "slot_step": check_slot_step,
           "gradients": check_gradients,
           # an engine batch of 24 with a few episodes packed per training row
           "pipeline_batch_24": lambda: check_pipeline(24, 64, prompts=8)}

@@ -17,6 +17,7 @@ from torch.utils._pytree import tree_leaves
 
 import model.logprob_head as logprob_head
 from grpo.engine.cache import SlotCache
+from grpo.engine.slot_step import read_slots
 from model import (
     CheckpointError,
     ModelArgs,
@@ -670,7 +671,8 @@ def test_slot_cache_decode_matches_full_forward(arch_overrides):
         for s in range(steps):
             pos = lengths + s
             step_tokens = torch.stack([full[b][pos[b]] for b in range(3)])
-            logits = model.decode(step_tokens, pos, cache.decode_attention(rows, pos))
+            cache.position[rows] = pos
+            logits = model.decode(step_tokens, pos, cache.decode_attention(rows, read_slots(cache, rows)))
             assert logits.shape == (3, V)
             for b in range(3):
                 torch.testing.assert_close(logits[b], reference[b][pos[b]], atol=1e-5, rtol=0)

@@ -15,6 +15,7 @@ import math
 
 import torch
 
+from grpo.engine.slot_step import SlotReads
 from model import ModelArgs, batch_invariant
 from model.attention import slot_decode, suffix_prefill, varlen_prefill
 
@@ -167,14 +168,14 @@ class SlotCache:
 
         return attend
 
-    def decode_attention(self, slots: torch.Tensor, positions: torch.Tensor):
-        """attend() for one decode step: row b's token sits at positions[b] of slot slots[b]
-        (both [B] int64); its K/V are stored there and it attends over the slot's first
-        positions[b] + 1 keys, the shared prompt's read from share_slot (PrefixShares)."""
-        lengths = (positions + 1).to(torch.int32)
-        share_slots, share_lens = self.share_slot[slots], self.share_len[slots]
+    def decode_attention(self, slots: torch.Tensor, reads: SlotReads):
+        """attend() for one decode step over slots [B]: row b's token sits at reads.position[b] of
+        slot slots[b]; its K/V are stored there and it attends over the slot's first
+        reads.lengths[b] keys, the shared prompt's read from reads.share_slots[b] (PrefixShares)."""
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            return slot_decode(q, self.k[layer], self.v[layer], slots, lengths, share_slots, share_lens, k, v)
+            return slot_decode(
+                q, self.k[layer], self.v[layer], slots, reads.lengths, reads.share_slots, reads.share_lens, k, v
+            )
 
         return attend

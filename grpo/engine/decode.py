@@ -14,6 +14,7 @@ from collections.abc import Callable
 import torch
 
 from grpo.engine.cache import SlotCache
+from grpo.engine.slot_step import advance_slots, read_slots
 from grpo.engine.types import SamplingParams
 from model import Transformer
 
@@ -106,19 +107,7 @@ class DecodeStep:
     def step(self, rows: torch.Tensor, sp: SamplingParams) -> None:
         """One token for each row of rows [B] (slot ids); padding rows point at the scratch slot."""
         c = self.cache
-        token, position = c.last_token[rows], c.position[rows]
-        attend = c.decode_attention(rows, position)
-        logits = self.model.decode(token, position, attend)
-        new, logprob = self.sample(logits, c.key[rows], position + 1, self.token_hash, sp)
-        active = ~c.done[rows]
-        count = c.generated[rows]
-        at = (rows, count)
-        c.out_tokens.index_put_(at, torch.where(active, new, c.out_tokens[at]))
-        c.out_logprobs.index_put_(at, torch.where(active, logprob, c.out_logprobs[at]))
-        hit_eos = active & torch.isin(new, self.eos_ids)
-        count = count + active
-        c.generated[rows] = count
-        c.eos[rows] = c.eos[rows] | hit_eos
-        c.done[rows] = c.done[rows] | hit_eos | (count >= c.budget[rows])
-        c.last_token[rows] = torch.where(active, new, token)
-        c.position[rows] = position + active
+        reads = read_slots(c, rows)
+        logits = self.model.decode(reads.token, reads.position, c.decode_attention(rows, reads))
+        new, logprob = self.sample(logits, reads.key, reads.next_position, self.token_hash, sp)
+        advance_slots(c, rows, new, logprob, self.eos_ids)

@@ -1,0 +1,65 @@
+"""What one decode step reads from the per-slot state (SlotCache) and writes back to it: the reads
+are the model's and the sampler's inputs, the writes record each row's drawn token and whether it
+finished. On CUDA each side is one Triton kernel (slot_kernels.py); elsewhere the plain torch
+below, which is also the reference the kernels are checked against."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+
+class SlotReads(NamedTuple):
+    """The decode inputs of a batch's rows, each [B]: the token to feed and its position (int64),
+    the noise key (int64), the position the drawn token will take (int64), the live keys after this
+    step (int32, = position + 1), and the slot and length of the shared prompt K/V the row reads
+    (int64, int32; see SlotCache.share_slot)."""
+
+    token: torch.Tensor
+    position: torch.Tensor
+    key: torch.Tensor
+    next_position: torch.Tensor
+    lengths: torch.Tensor
+    share_slots: torch.Tensor
+    share_lens: torch.Tensor
+
+
+def read_slots(cache, rows: torch.Tensor) -> SlotReads:
+    """The decode inputs of rows [B] (slot ids, int64) of `cache` (a SlotCache)."""
+    if rows.is_cuda:
+        from grpo.engine import slot_kernels  # Triton exists only where CUDA does
+
+        return SlotReads(*slot_kernels.read_slots(cache, rows))
+    position = cache.position[rows]
+    return SlotReads(
+        cache.last_token[rows], position, cache.key[rows], position + 1, (position + 1).to(torch.int32),
+        cache.share_slot[rows], cache.share_len[rows],
+    )
+
+
+def advance_slots(cache, rows: torch.Tensor, new: torch.Tensor, logprob: torch.Tensor, eos_ids: torch.Tensor) -> None:
+    """Record one drawn token per row: rows [B] (slot ids), new [B] int64, logprob [B] fp32.
+
+    A row whose slot is unfinished stores the token and its log-prob at its next completion index,
+    feeds the token next, moves one position on, and finishes on a token of eos_ids [E] int64 (eos
+    set) or at its budget. A finished row's slot (padding rows' scratch slot among them) keeps every
+    value it has. Rows of unfinished slots must be distinct."""
+    if rows.is_cuda:
+        from grpo.engine import slot_kernels
+
+        slot_kernels.advance_slots(cache, rows, new, logprob, eos_ids)
+        return
+    c = cache
+    active = ~c.done[rows]
+    count = c.generated[rows]
+    at = (rows, count)
+    c.out_tokens.index_put_(at, torch.where(active, new, c.out_tokens[at]))
+    c.out_logprobs.index_put_(at, torch.where(active, logprob, c.out_logprobs[at]))
+    hit_eos = active & torch.isin(new, eos_ids)
+    count = count + active
+    c.generated[rows] = count
+    c.eos[rows] = c.eos[rows] | hit_eos
+    c.done[rows] = c.done[rows] | hit_eos | (count >= c.budget[rows])
+    c.last_token[rows] = torch.where(active, new, c.last_token[rows])
+    c.position[rows] = c.position[rows] + active
