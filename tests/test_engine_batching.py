@@ -175,6 +175,39 @@ def test_the_host_looks_when_budgets_say_so(ref):
     assert runs == [(2, 5), (2, 2), (2, 3)]
 
 
+def test_with_nothing_waiting_the_next_interval_is_queued_before_the_check(ref, monkeypatch):
+    """Once every request is admitted, the host queues the next interval of decode steps before it
+    reads the last one's check (on a GPU the device decodes while the host collects); while requests
+    wait, it reads each check before it admits and decodes again. The completions are those of a
+    host that checks after every step."""
+    from grpo.engine import native
+
+    sampling = SamplingParams(max_new_tokens=16, temperature=1.0)
+    engine = make_engine(ref, sampling, seed=5, eos_ids=(), max_batch_size=2, sync_every=4)
+    events: list[str] = []
+    run, check = engine._decode_steps, native.finished_completions
+
+    def decoding(slots, sp, steps):
+        events.append(f"decode {len(slots)}x{steps}")
+        run(slots, sp, steps)
+
+    def checking(*args, **kwargs):
+        events.append("check")
+        return check(*args, **kwargs)
+
+    engine._decode_steps = decoding
+    monkeypatch.setattr(native, "finished_completions", checking)
+    budgets = [11, 6, 3]
+    reqs = [GenerationRequest(p, 0, i, 0, max_new_tokens=n) for i, (p, n) in enumerate(zip(prompts(3, seed=6), budgets))]
+    out = engine.generate(reqs)
+    # 11 and 6 start together while 3 waits: 4 steps, check, 1 step (6 ends), check. Then 3 takes
+    # 6's slot and nothing waits: 4 steps (11 has 5 left), the last step queued, the check (3
+    # ended), the check after the queued step (11 ended).
+    assert events == ["decode 2x4", "check", "decode 2x1", "check", "decode 2x4", "decode 2x1", "check", "check"]
+    every_step = make_engine(ref, sampling, seed=5, eos_ids=(), max_batch_size=2, sync_every=1).generate(reqs)
+    _same(out, every_step)
+
+
 @pytest.mark.parametrize("max_seq_len", [None, 40], ids=["auto-sized", "fixed"])
 def test_released_cache_comes_back_with_the_same_slots_and_completions(ref, max_seq_len):
     """release_cache frees the K/V buffers (a colocated trainer gets the memory); the next generation

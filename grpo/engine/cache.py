@@ -82,6 +82,9 @@ class SlotCache:
         # of another live sequence of its group prefilled with it), and that prompt's length.
         self.share_slot = torch.arange(n, dtype=torch.int64, device=device)
         self.share_len = torch.zeros(n, dtype=torch.int32, device=device)
+        # For the host's reads of finished completions, which must not wait for the decode steps
+        # queued after them (collect.py).
+        self.read_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def release_kv(self) -> None:
         """Free the K/V buffers' memory (their contents are lost) until restore_kv()."""

@@ -1,9 +1,16 @@
 """The host's side of continuous batching: which slots finished (EOS, budget or a stop string),
-and their completions, read back from the cache in one transfer per check."""
+and their completions, read back from the cache.
+
+A check reads a snapshot of the active slots' state that the stream took after a given decode
+step, so the host can read it while later decode steps run: a row finished in the snapshot is not
+written again, and a row still going only writes past the tokens the snapshot counts. On CUDA the
+reads that follow the snapshot run on the cache's read stream, which waits for the snapshot only.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 
 import torch
 
@@ -11,8 +18,40 @@ from grpo.engine.cache import SlotCache
 from grpo.engine.types import Completion, GenerationRequest, stop_length
 
 
+class StateSnapshot:
+    """The active slots' done / eos / generated as the stream had them where `take` was called."""
+
+    def __init__(self, cache: SlotCache, slots: list[int]):
+        self.slots = slots
+        self.rows = torch.tensor(slots, device=cache.device)
+        state = torch.stack((cache.done[self.rows].long(), cache.eos[self.rows].long(), cache.generated[self.rows]))
+        self._ready = None
+        if cache.device.type == "cuda":
+            self._host = torch.empty(state.shape, dtype=state.dtype, pin_memory=True)
+            self._host.copy_(state, non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+        else:
+            self._host = state
+
+    def read(self) -> tuple[list[bool], list[bool], list[int]]:
+        """(done, eos, generated) per slot, waiting for the snapshot only."""
+        if self._ready is not None:
+            self._ready.synchronize()
+        return self._host[0].bool().tolist(), self._host[1].bool().tolist(), self._host[2].tolist()
+
+    def reading(self, cache: SlotCache):
+        """Context for device reads that must not wait for the decode steps queued after the snapshot."""
+        if self._ready is None:
+            return nullcontext()
+        stream = cache.read_stream
+        stream.wait_event(self._ready)
+        return torch.cuda.stream(stream)
+
+
 def finished_completions(
     cache: SlotCache,
+    snapshot: StateSnapshot,
     requests: Sequence[GenerationRequest],
     active: dict[int, int],
     checked: dict[int, int],
@@ -20,25 +59,25 @@ def finished_completions(
     decode_text: Callable[[list[int]], str] | None,
     version: int,
 ) -> dict[int, Completion]:
-    """Completions of the active slots that finished, by slot.
+    """Completions of the snapshot's slots that had finished in it, by slot.
 
-    active: slot -> index into requests; checked: slot -> completion tokens already searched for
-    stop strings (advanced here). version: the weights' version the completions carry."""
-    if not active:
+    active: slot -> index into requests (the snapshot's slots are active); checked: slot ->
+    completion tokens already searched for stop strings (advanced here). version: the weights'
+    version the completions carry."""
+    slots, s = snapshot.slots, snapshot.rows
+    if not slots:
         return {}
     c = cache
-    slots = sorted(active)
-    s = torch.tensor(slots, device=c.device)
-    state = torch.stack((c.done[s].long(), c.eos[s].long(), c.generated[s])).cpu()
-    done, eos, generated = state[0].bool().tolist(), state[1].bool().tolist(), state[2].tolist()
-    stops = _stop_lengths(c, s, slots, generated, eos, checked, stop_strings, decode_text) if stop_strings else {}
-    ended = [i for i, slot in enumerate(slots) if done[i] or slot in stops]
-    if not ended:
-        return {}
-    rows = s[ended]
-    width = max(generated[i] for i in ended)
-    out_tokens = c.out_tokens[rows, :width].cpu()
-    out_logprobs = c.out_logprobs[rows, :width].cpu()
+    done, eos, generated = snapshot.read()
+    with snapshot.reading(c):
+        stops = _stop_lengths(c, s, slots, generated, eos, checked, stop_strings, decode_text) if stop_strings else {}
+        ended = [i for i, slot in enumerate(slots) if done[i] or slot in stops]
+        if not ended:
+            return {}
+        rows = s[ended]
+        width = max(generated[i] for i in ended)
+        out_tokens = c.out_tokens[rows, :width].cpu()
+        out_logprobs = c.out_logprobs[rows, :width].cpu()
     finished = {}
     for j, i in enumerate(ended):
         slot = slots[i]

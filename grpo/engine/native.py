@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from grpo.engine.adapters import AdapterMerge
 from grpo.engine.cache import SlotCache, kv_budget_bytes, slot_bytes, slots_for_budget
-from grpo.engine.collect import finished_completions
+from grpo.engine.collect import StateSnapshot, finished_completions
 from grpo.engine.decode import DecodeStep
 from grpo.engine.kept import KeptKV, request_key
 from grpo.engine.prefill import prefill_appended, prefill_prompts
@@ -299,7 +299,10 @@ class NativeEngine:
         )
 
     def _drain(self, requests, keys, sp, waiting: deque, results: list) -> None:
-        """Admit, decode and collect until every request in `waiting` has a completion."""
+        """Admit, decode and collect until every request in `waiting` has a completion.
+
+        With nothing left to admit, the next interval of decode steps is queued before the host
+        reads the check of the last one, so the device does not idle while the host collects."""
         limit = min(self.max_batch_size, self.cache.num_slots)
         self.shares.reset()
         held = self.kept.slots() | {slot for slot, _ in self._resume.values()}
@@ -311,22 +314,26 @@ class NativeEngine:
         # Refill in rounds of at least a quarter of the batch (or whatever is still waiting): each
         # prefill call has a fixed cost, so admitting one request per check would pay it too often.
         refill = max(1, limit // 4)
+        queued_ahead = False
         while waiting or active:
-            if limit - len(active) >= min(refill, len(waiting)) or not active:
-                room = limit - len(active)
-                for admit in admission_round(waiting, requests, room, self.prefill_tokens, self.share_prefix):
-                    self._admit(requests, keys, sp, admit, free, active, checked)
-            for slot, i in active.items():
-                # The first token comes from the prefill.
-                remaining.setdefault(slot, self._budget(requests[i], sp) - 1)
-            self.peak_active = max(self.peak_active, len(active))
-            self._in_flight = len(active)
-            steps = steps_to_check(remaining, limit - len(active), min(refill, len(waiting)), self.sync_every)
-            self._decode_steps(sorted(active), sp, steps)
-            for slot in active:
-                remaining[slot] = max(0, remaining[slot] - steps)
+            if not queued_ahead:
+                if limit - len(active) >= min(refill, len(waiting)) or not active:
+                    room = limit - len(active)
+                    for admit in admission_round(waiting, requests, room, self.prefill_tokens, self.share_prefix):
+                        self._admit(requests, keys, sp, admit, free, active, checked)
+                for slot, i in active.items():
+                    # The first token comes from the prefill.
+                    remaining.setdefault(slot, self._budget(requests[i], sp) - 1)
+                self.peak_active = max(self.peak_active, len(active))
+                self._in_flight = len(active)
+                self._decode_interval(active, remaining, limit - len(active), min(refill, len(waiting)), sp)
+            snapshot = StateSnapshot(self.cache, sorted(active))
+            # Only budgets left to run: the next interval cannot depend on what this check finds.
+            queued_ahead = not waiting and max(remaining.values(), default=0) > 0
+            if queued_ahead:
+                self._decode_interval(active, remaining, limit - len(active), 0, sp)
             ended = finished_completions(
-                self.cache, requests, active, checked, self.stop_strings, self.decode_text, self.version
+                self.cache, snapshot, requests, active, checked, self.stop_strings, self.decode_text, self.version
             )
             self.shares.leave(ended)
             for slot, result in ended.items():
@@ -337,6 +344,16 @@ class NativeEngine:
                 else:
                     free.append(slot)
             free.sort()
+            if not active:
+                queued_ahead = False
+
+    def _decode_interval(self, active: dict[int, int], remaining: dict[int, int], free: int, round_size: int,
+                         sp: SamplingParams) -> None:
+        """Queue the decode steps until the next check (schedule.steps_to_check) for the active slots."""
+        steps = steps_to_check(remaining, free, round_size, self.sync_every)
+        self._decode_steps(sorted(active), sp, steps)
+        for slot in active:
+            remaining[slot] = max(0, remaining[slot] - steps)
 
     def _slot_for(self, request: GenerationRequest, free: list[int]) -> tuple[int, int]:
         """The slot an admitted request takes, and how many of its prompt tokens it holds K/V for:
