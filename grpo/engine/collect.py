@@ -23,7 +23,10 @@ class StateSnapshot:
 
     def __init__(self, cache: SlotCache, slots: list[int]):
         self.slots = slots
-        self.rows = torch.tensor(slots, device=cache.device)
+        rows = torch.tensor(slots, dtype=torch.int64)
+        # From pinned memory the copy is queued like a kernel; from pageable memory torch would
+        # wait for every decode step queued before it.
+        self.rows = rows.pin_memory().to(cache.device, non_blocking=True) if cache.device.type == "cuda" else rows
         state = torch.stack((cache.done[self.rows].long(), cache.eos[self.rows].long(), cache.generated[self.rows]))
         self._ready = None
         if cache.device.type == "cuda":

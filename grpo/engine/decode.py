@@ -76,7 +76,7 @@ class DecodeStep:
         if graph is None:
             graph = self.capture(size, sp)
         padded = slots + [self.cache.scratch] * (size - n)
-        self.rows[:size].copy_(torch.tensor(padded, dtype=torch.int64), non_blocking=True)
+        self.rows[:size].copy_(torch.tensor(padded, dtype=torch.int64).pin_memory(), non_blocking=True)
         for _ in range(steps):
             graph.replay()
 
