@@ -317,7 +317,10 @@ def _decode(ids: list[int]) -> str:
     return "".join(chr(ord("A") + i) for i in ids)
 
 
-def test_stop_string_ends_completion(ref):
+@pytest.mark.parametrize("overlap_checks", [False, True], ids=["checks-read-at-once", "next-steps-queued-first"])
+def test_stop_string_ends_completion(ref, overlap_checks):
+    """With the next steps queued before a check is read, a row its stop string ended goes on
+    decoding for an interval; its completion still ends at the stop string."""
     plist = prompts(4, seed=10)
     free_runs = [greedy_reference(ref, p, 12, eos_ids=())[0] for p in plist]
     run = free_runs[0]
@@ -325,7 +328,8 @@ def test_stop_string_ends_completion(ref):
     k = next(k for k in range(3, len(run)) if _decode(run[k - 1 : k + 1]) not in _decode(run[:k]))
     stop = _decode(run[k - 1 : k + 1])
     engine = make_engine(
-        ref, SamplingParams(max_new_tokens=12, temperature=0.0), eos_ids=(EOS,), stop_strings=[stop], decode_text=_decode
+        ref, SamplingParams(max_new_tokens=12, temperature=0.0), eos_ids=(EOS,), stop_strings=[stop], decode_text=_decode,
+        overlap_checks=overlap_checks, sync_every=2,
     )
     out = engine.generate(requests(plist))
     c = out[0]

@@ -77,6 +77,8 @@ def test_a_request_does_not_depend_on_its_batch(ref, temperature):
     _same(make_engine(ref, sampling, seed=5, share_prefix=False).generate(reqs), full)
     # checked every step rather than every 8
     _same(make_engine(ref, sampling, seed=5, sync_every=1).generate(reqs), full)
+    # the next steps queued before each check is read (as on a GPU)
+    _same(make_engine(ref, sampling, seed=5, overlap_checks=True).generate(reqs), full)
 
 
 def test_shared_prefill_runs_each_prompt_once(ref):
@@ -183,7 +185,8 @@ def test_with_nothing_waiting_the_next_interval_is_queued_before_the_check(ref, 
     from grpo.engine import native
 
     sampling = SamplingParams(max_new_tokens=16, temperature=1.0)
-    engine = make_engine(ref, sampling, seed=5, eos_ids=(), max_batch_size=2, sync_every=4)
+    assert not make_engine(ref, sampling).overlap_checks  # on the CPU, by default, nothing to overlap
+    engine = make_engine(ref, sampling, seed=5, eos_ids=(), max_batch_size=2, sync_every=4, overlap_checks=True)
     events: list[str] = []
     run, check = engine._decode_steps, native.finished_completions
 

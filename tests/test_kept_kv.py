@@ -78,9 +78,9 @@ def prompts(n: int):
             for i, n_ in enumerate(lengths)]
 
 
-def engine_for(model: Transformer, max_batch_size: int = 64) -> NativeEngine:
+def engine_for(model: Transformer, max_batch_size: int = 64, overlap_checks: bool = False) -> NativeEngine:
     engine = NativeEngine(ARGS, SAMPLING, eos_ids=[EOS], seed=1, dtype=torch.float32, device="cpu",
-                          max_batch_size=max_batch_size, max_seq_len=160)
+                          max_batch_size=max_batch_size, max_seq_len=160, overlap_checks=overlap_checks)
     engine.update_weights([[(n, (), p.detach()) for n, p in model.named_parameters()]], version=0)
     return engine
 
@@ -110,12 +110,15 @@ def rollout(engine: NativeEngine, keep_kv: bool, n_prompts: int = 5):
     return batch, stats
 
 
+@pytest.mark.parametrize("overlap_checks", [False, True], ids=["checks-read-at-once", "next-steps-queued-first"])
 @pytest.mark.parametrize("max_batch_size", [64, 4, 1])
-def test_kept_kv_gives_the_conversations_of_re_prefilling_bitwise(max_batch_size, prefilled):
-    """Fewer slots than conversations (4, 1) make turns take kept slots from finished ones."""
+def test_kept_kv_gives_the_conversations_of_re_prefilling_bitwise(max_batch_size, overlap_checks, prefilled):
+    """Fewer slots than conversations (4, 1) make turns take kept slots from finished ones. With the
+    next steps queued before each check is read, finished rows go on through an interval (writing
+    their last token's K/V into the slot again) before the next turn takes the slot back."""
     batch_invariant.enable(True)
     model = policy()
-    kept, stats = rollout(engine_for(model, max_batch_size), keep_kv=True)
+    kept, stats = rollout(engine_for(model, max_batch_size, overlap_checks), keep_kv=True)
     kept_counts = dict(prefilled)
     prefilled.update(whole=0, appended=0)
     again, _ = rollout(engine_for(model, max_batch_size), keep_kv=False)

@@ -65,3 +65,21 @@ class KeptKV:
 
     def clear(self) -> None:
         self._kept.clear()
+
+
+def take_slot(
+    request: GenerationRequest, free: list[int], kept: KeptKV, resume: dict[Key, tuple[int, int]]
+) -> tuple[int, int]:
+    """The slot an admitted request takes, and how many of its prompt tokens it holds K/V for: its
+    claimed slot (`resume`, from KeptKV.claim), else the first of `free`, else a kept slot given up
+    (the oldest finished conversation's, then a waiting request's claimed one, which will then
+    prefill in full). Takes the slot out of free, kept or resume."""
+    resumed = resume.pop(request_key(request), None)
+    if resumed is not None:
+        return resumed
+    if free:
+        return free.pop(0), 0
+    slot = kept.evict()
+    if slot is None:
+        slot = resume.pop(next(reversed(resume)))[0]
+    return slot, 0

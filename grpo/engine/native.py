@@ -31,11 +31,12 @@ from grpo.engine.adapters import AdapterMerge
 from grpo.engine.cache import SlotCache, kv_budget_bytes, slot_bytes, slots_for_budget
 from grpo.engine.collect import StateSnapshot, finished_completions
 from grpo.engine.decode import DecodeStep
-from grpo.engine.kept import KeptKV, request_key
+from grpo.engine.kept import KeptKV, request_key, take_slot
 from grpo.engine.prefill import prefill_appended, prefill_prompts
 from grpo.engine.sampling import request_keys, sample, vocab_hash
 from grpo.engine.schedule import admission_round, steps_to_check
 from grpo.engine.shares import PrefixShares
+from grpo.engine.slot_step import start_slots
 from grpo.engine.types import (
     Completion,
     EngineCapacityError,
@@ -63,6 +64,9 @@ class NativeEngine:
     kv_cache_gb: the K/V budget (0 = room for max_batch_size slots, on CUDA at most
         kv_cache_fraction of the free device memory).
     cuda_graphs / compile: CUDA only (CPU always runs eagerly).
+    overlap_checks: with nothing waiting to be admitted, queue the next decode steps before reading
+        a check (None: on CUDA, where the device then decodes while the host reads; on the CPU the
+        steps run before the host reads anything, so they could only add work at the end).
     tensor_parallel: (tp, group): this engine is one rank of a TP group of tp ranks; `args` are the
         whole model's, the engine holds this rank's shard (model/parallelize.py) and its share of
         the K/V heads in the cache. Every rank of the group runs the same requests and draws the
@@ -90,6 +94,7 @@ class NativeEngine:
         compile: bool = True,
         sync_every: int = 8,
         prefill_tokens: int = 16384,
+        overlap_checks: bool | None = None,
         tensor_parallel: tuple[int, dist.ProcessGroup] | None = None,
         lora: LoRASpec | None = None,
     ):
@@ -103,6 +108,7 @@ class NativeEngine:
         self.kv_cache_gb, self.kv_cache_fraction = kv_cache_gb, kv_cache_fraction
         self.sync_every, self.prefill_tokens = sync_every, prefill_tokens
         on_cuda = self.device.type == "cuda"
+        self.overlap_checks = on_cuda if overlap_checks is None else overlap_checks
         if tensor_parallel is not None:
             args = self.args = tensor_parallel_args(args, tensor_parallel[0])
         check_decode_kernel(args.n_heads, args.n_kv_heads, args.head_dim, self.device, dtype)
@@ -329,7 +335,7 @@ class NativeEngine:
                 self._decode_interval(active, remaining, limit - len(active), min(refill, len(waiting)), sp)
             snapshot = StateSnapshot(self.cache, sorted(active))
             # Only budgets left to run: the next interval cannot depend on what this check finds.
-            queued_ahead = not waiting and max(remaining.values(), default=0) > 0
+            queued_ahead = self.overlap_checks and not waiting and max(remaining.values(), default=0) > 0
             if queued_ahead:
                 self._decode_interval(active, remaining, limit - len(active), 0, sp)
             ended = finished_completions(
@@ -355,22 +361,8 @@ class NativeEngine:
         for slot in active:
             remaining[slot] = max(0, remaining[slot] - steps)
 
-    def _slot_for(self, request: GenerationRequest, free: list[int]) -> tuple[int, int]:
-        """The slot an admitted request takes, and how many of its prompt tokens it holds K/V for:
-        its kept slot, else a free one, else a kept slot given up (the oldest finished
-        conversation's, then a waiting request's own, which will then prefill in full)."""
-        resumed = self._resume.pop(request_key(request), None)
-        if resumed is not None:
-            return resumed
-        if free:
-            return free.pop(0), 0
-        slot = self.kept.evict()
-        if slot is None:
-            slot = self._resume.pop(next(reversed(self._resume)))[0]
-        return slot, 0
-
     def _admit(self, requests, keys, sp, admit: list[int], free: list[int], active: dict, checked: dict) -> None:
-        taken = [self._slot_for(requests[i], free) for i in admit]
+        taken = [take_slot(requests[i], free, self.kept, self._resume) for i in admit]
         self._in_flight = len(active) + len(admit)
         for appended in (False, True):
             group = [j for j, (_, cached) in enumerate(taken) if (cached > 0) == appended]
@@ -397,13 +389,9 @@ class NativeEngine:
         sp: SamplingParams,
     ) -> None:
         """Draw each prefilled request's first token from its logits [R, V] and set its slot's decode state."""
-        c, dev = self.cache, self.device
+        dev = self.device
         prompt_lens = torch.tensor([len(r.prompt_tokens) for r in requests], device=dev)
         first, logprob = self._sample(logits, keys.to(dev), prompt_lens, self._token_hash, sp)
-        s = torch.tensor(slots, device=dev)
-        budget = torch.tensor([self._budget(r, sp) for r in requests], device=dev)
-        hit_eos = torch.isin(first, self.eos_ids)
-        c.last_token[s], c.position[s], c.key[s], c.budget[s] = first, prompt_lens, keys.to(dev), budget
-        c.generated[s] = 1
-        c.out_tokens[s, 0], c.out_logprobs[s, 0] = first, logprob
-        c.eos[s], c.done[s] = hit_eos, hit_eos | (budget <= 1)
+        budgets = torch.tensor([self._budget(r, sp) for r in requests], device=dev)
+        start_slots(self.cache, torch.tensor(slots, device=dev), first, logprob, prompt_lens, keys.to(dev), budgets,
+                    self.eos_ids)

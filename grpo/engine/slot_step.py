@@ -1,13 +1,30 @@
-"""What one decode step reads from the per-slot state (SlotCache) and writes back to it: the reads
-are the model's and the sampler's inputs, the writes record each row's drawn token and whether it
-finished. On CUDA each side is one Triton kernel (slot_kernels.py); elsewhere the plain torch
-below, which is also the reference the kernels are checked against."""
+"""What decoding reads from the per-slot state (SlotCache) and writes back to it: a prefilled
+request's first token starts its slot's state; each decode step reads the model's and the
+sampler's inputs, and records each row's drawn token and whether it finished. On CUDA the decode
+step's two sides are one Triton kernel each (slot_kernels.py); elsewhere the plain torch below,
+which is also the reference the kernels are checked against.
+"""
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
 import torch
+
+
+def start_slots(
+    cache, slots: torch.Tensor, first: torch.Tensor, logprob: torch.Tensor, positions: torch.Tensor,
+    keys: torch.Tensor, budgets: torch.Tensor, eos_ids: torch.Tensor,
+) -> None:
+    """The decode state of freshly prefilled slots [R] (int64), all [R]: the first token (drawn from
+    the prefill's logits) and its log-prob, the position it takes (the prompt's length), the noise
+    key and the token budget; the slot is finished when that token is EOS or the budget is 1."""
+    c = cache
+    hit_eos = torch.isin(first, eos_ids)
+    c.last_token[slots], c.position[slots], c.key[slots], c.budget[slots] = first, positions, keys, budgets
+    c.generated[slots] = 1
+    c.out_tokens[slots, 0], c.out_logprobs[slots, 0] = first, logprob
+    c.eos[slots], c.done[slots] = hit_eos, hit_eos | (budgets <= 1)
 
 
 class SlotReads(NamedTuple):
