@@ -350,8 +350,6 @@ class NativeEngine:
                 else:
                     free.append(slot)
             free.sort()
-            if not active:
-                queued_ahead = False
 
     def _decode_interval(self, active: dict[int, int], remaining: dict[int, int], free: int, round_size: int,
                          sp: SamplingParams) -> None:
