@@ -1,4 +1,4 @@
-"""Episodes for people: samples.jsonl records and the multi-turn metrics of a step."""
+"""Episodes for people: samples.jsonl records, and the per-episode metrics of a step."""
 
 from __future__ import annotations
 
@@ -42,4 +42,25 @@ def multi_turn_metrics(episodes: EpisodeBatch) -> dict[str, float]:
         "env/tool_calls_mean": float(episodes.tool_calls.sum()) / n,
         "env/tool_errors_mean": float(episodes.tool_errors.sum()) / n,
         "env/turn_limited_frac": float(episodes.turn_limited.sum()) / n,
+    }
+
+
+def episode_metrics(
+    episodes: EpisodeBatch, step: int, reward_sums: dict[str, float], multi_turn: bool
+) -> dict[str, float]:
+    """Per-episode means of a rank's episodes at `step` (weighted by the episode count when reduced
+    over ranks): rewards (reward_sums: each reward function's sum), lengths, truncation, the
+    conversations' turns (multi_turn), and staleness, the updates between an episode's weights and
+    the ones it trains."""
+    n = len(episodes)
+    # Versions count applied updates; step s trains after s - 1 of them.
+    staleness = (step - 1 - episodes.version).double()
+    return {
+        "reward/mean": float(episodes.rewards.sum()) / max(n, 1),
+        **{f"reward/{name}": total / max(n, 1) for name, total in reward_sums.items()},
+        "episode/length_mean": float(episodes.completion_lens.sum()) / max(n, 1),
+        "episode/truncated_frac": float(episodes.truncated.sum()) / max(n, 1),
+        **(multi_turn_metrics(episodes) if multi_turn else {}),
+        "staleness/mean": float(staleness.sum()) / max(n, 1),
+        "staleness/max": float(staleness.max()) if n else 0.0,
     }

@@ -29,7 +29,6 @@ from grpo.distributed.collectives import all_reduce
 from grpo.rollout.episode import EpisodeBatch
 from grpo.run.background import BackgroundGeneration
 from grpo.run.rank import Run
-from grpo.train.memory import explain_out_of_memory
 
 
 class AsyncSteps:
@@ -86,12 +85,8 @@ class AsyncSteps:
                     train_start = time.perf_counter()
                     score_s = train_start - score_start
                     # On colocated ranks the peak counts the generation running beside the training.
-                    with run.waiting(f"the other {run.peers()[1]} (FSDP collectives)"), \
-                            run.peak_memory("memory/train_peak_gb", memory), \
-                            explain_out_of_memory(cfg, run.device, run.outside_bytes):
-                        train_metrics = run.trainer.train(train_batch)
+                    train_metrics = run.train(train_batch, memory)
                     train_s = time.perf_counter() - train_start
-                    train_metrics.update(memory)
         finally:
             # The engine takes new weights only between two batches (and a failure above must not
             # leave the thread decoding while the process unwinds).

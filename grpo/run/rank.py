@@ -36,7 +36,7 @@ from grpo.engine.vmm import mapped_bytes
 from grpo.envs import make_environment
 from grpo.envs.calls import EnvCalls
 from grpo.errors import TandemError
-from grpo.observe.episodes import episode_samples, multi_turn_metrics
+from grpo.observe.episodes import episode_metrics, episode_samples
 from grpo.observe.flops import mfu, peak_flops
 from grpo.observe.metrics import reduce_across
 from grpo.rollout.conversation import generate_conversations
@@ -51,6 +51,7 @@ from grpo.rollout.transport import exchange_episodes
 from grpo.run.weights import WeightPush
 from grpo.scoring.scorer import Scorer, score_episodes
 from grpo.train.checkpoint import export_bytes, export_hf
+from grpo.train.memory import explain_out_of_memory
 from grpo.train.trainer import Trainer
 from model import ModelArgs, Transformer, from_hf
 from model.lora import LoRASpec, trained_shapes
@@ -222,6 +223,17 @@ class Run:
         is_writer = self.roles.rank == self.roles.leader
         export_hf(self.trainer, self.args, save_tokenizer, path, is_writer, export_bytes(self.shapes))
 
+    def train(self, batch: EpisodeBatch, memory: dict[str, float]) -> dict[str, float]:
+        """One update on this trainer rank -> its metrics, memory's included. Names the trainer ranks
+        it waits on if a collective times out, records the peak in memory["memory/train_peak_gb"],
+        and turns running out of device memory into one line (grpo/train/memory.py)."""
+        with self.waiting(f"the other {self.peers()[1]} (FSDP collectives)"), \
+                self.peak_memory("memory/train_peak_gb", memory), \
+                explain_out_of_memory(self.cfg, self.device, self.outside_bytes):
+            metrics = self.trainer.train(batch)
+        metrics.update(memory)
+        return metrics
+
     @contextmanager
     def peak_memory(self, key: str, into: dict[str, float]):
         """Record in into[key] the most device memory allocated inside the block (CUDA only): the
@@ -362,22 +374,8 @@ class Run:
     ) -> tuple[dict[str, float], dict[str, float]]:
         """The step's metrics from this trainer rank's episodes and timings, reduced over the
         trainer ranks: (all metrics, the reduced timings). Collective over trainer ranks."""
-        n = len(episodes)
-        # Versions count applied updates; step s trains after s - 1 of them.
-        staleness = (step - 1 - episodes.version).double()
-        per_episode = reduce_across(
-            {
-                "reward/mean": float(episodes.rewards.sum()) / max(n, 1),
-                **{f"reward/{name}": total / max(n, 1) for name, total in reward_sums.items()},
-                "episode/length_mean": float(episodes.completion_lens.sum()) / max(n, 1),
-                "episode/truncated_frac": float(episodes.truncated.sum()) / max(n, 1),
-                **(multi_turn_metrics(episodes) if self.cfg.env.name else {}),
-                "staleness/mean": float(staleness.sum()) / max(n, 1),
-                "staleness/max": float(staleness.max()) if n else 0.0,
-            },
-            self.trainer_group,
-            weights=float(n),
-        )
+        local = episode_metrics(episodes, step, reward_sums, multi_turn=bool(self.cfg.env.name))
+        per_episode = reduce_across(local, self.trainer_group, weights=float(len(episodes)))
         times = reduce_across(times, self.trainer_group)
         return {**per_episode, **train_metrics, **times, **self._rates(episodes, times)}, times
 

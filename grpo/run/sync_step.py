@@ -13,7 +13,6 @@ from grpo.distributed.collectives import all_reduce
 from grpo.observe.profile import StepProfiler
 from grpo.rollout.episode import EpisodeBatch, concat_episodes
 from grpo.run.rank import Run
-from grpo.train.memory import explain_out_of_memory
 
 
 def evaluate(run: Run) -> dict[str, float]:
@@ -113,11 +112,8 @@ def sync_step(
     train_start = time.perf_counter()
     train_metrics = {}
     if run.roles.is_trainer:
-        with run.waiting(f"the other {run.peers()[1]} (FSDP collectives)"):
-            with run.peak_memory("memory/train_peak_gb", rounds.memory), profiler.phase(step, "train"), \
-                    explain_out_of_memory(run.cfg, run.device, run.outside_bytes):
-                train_metrics = run.trainer.train(concat_episodes(rounds.kept, run.tokenizer.pad_id))
-            train_metrics.update(rounds.memory)
+        with profiler.phase(step, "train"):
+            train_metrics = run.train(concat_episodes(rounds.kept, run.tokenizer.pad_id), rounds.memory)
     train_end = time.perf_counter()
     with profiler.phase(step, "weight_sync"):
         sync_s = run.sync_weights(step)
