@@ -23,6 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.decode_matmuls import graph_time_us  # noqa: E402
 from model import invariant_kernels  # noqa: E402
 from model.invariant_kernels import slot_attention  # noqa: E402
 
@@ -52,20 +53,6 @@ def time_us(fn, reps: int = 50) -> float:
     return start.elapsed_time(end) * 1000 / reps
 
 
-def graph_time_us(fn, calls: int = 20, reps: int = 20) -> float:
-    """Device time per call of fn, replayed from a CUDA graph of `calls` calls."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    return time_us(graph.replay, reps) / calls
-
-
 def sweep(configs: str, batch: int, q, k_cache, v_cache, slots, lengths, live_bytes: int, row: dict) -> None:
     """One line per WARPSxSTAGES configuration of our kernel (module constants, restored after)."""
     saved = invariant_kernels.ATTENTION_WARPS, invariant_kernels.ATTENTION_DECODE_STAGES
@@ -75,7 +62,7 @@ def sweep(configs: str, batch: int, q, k_cache, v_cache, slots, lengths, live_by
             warps, stages = (int(x) for x in config.split("x"))
             invariant_kernels.ATTENTION_WARPS, invariant_kernels.ATTENTION_DECODE_STAGES = warps, stages
             out = slot_attention(q, k_cache, v_cache, slots, lengths)
-            us = graph_time_us(lambda: slot_attention(q, k_cache, v_cache, slots, lengths))
+            us = graph_time_us(lambda: slot_attention(q, k_cache, v_cache, slots, lengths), reps=50)
             print(json.dumps({**row, "warps": warps, "stages": stages, "graph_us": round(us, 2),
                               "GBps": round(live_bytes / us / 1e3), "same_bits": bool(torch.equal(out, reference))}),
                   flush=True)
