@@ -199,6 +199,28 @@ def test_device_side_eos_ends_each_completion_at_its_first_eos():
             assert c.finish_reason == "eos" and c.tokens == free.tokens[: stop + 1]
 
 
+def test_checks_read_while_the_next_steps_run_give_the_same_completions():
+    """On CUDA the engine queues the next decode steps before it reads a check (overlap_checks):
+    the check reads a snapshot of the slot state and its reads run on another stream. Rows ending
+    on EOS and at budgets of their own give the completions of a host that reads each check at
+    once; log-probs up to the rounding of a matmul over other padded buckets."""
+    model = reference_model(torch.float32)
+    sampling = SamplingParams(max_new_tokens=40, temperature=1.0)
+    probe = engine(model, sampling, eos_ids=[], compile=False).generate(requests(24))
+    counts = torch.bincount(torch.tensor([t for c in probe for t in c.tokens]), minlength=ARGS.vocab_size)
+    eos = int(counts.argmax())
+    reqs = [GenerationRequest(r.prompt_tokens, 0, r.prompt_index, 0, max_new_tokens=8 + 3 * i)
+            for i, r in enumerate(requests(10))]
+    at_once = engine(model, sampling, eos_ids=[eos], compile=False, overlap_checks=False).generate(reqs)
+    overlapped_engine = engine(model, sampling, eos_ids=[eos], compile=False)
+    assert overlapped_engine.overlap_checks
+    overlapped = overlapped_engine.generate(reqs)
+    assert any(c.finish_reason == "eos" for c in at_once) and any(c.finish_reason == "length" for c in at_once)
+    assert [(c.tokens, c.finish_reason) for c in overlapped] == [(c.tokens, c.finish_reason) for c in at_once]
+    for a, b in zip(overlapped, at_once):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+
+
 def test_kv_budget_bounds_the_slots_and_the_batch():
     model = reference_model(torch.bfloat16)
     per_slot = 2 * ARGS.n_layers * ARGS.n_kv_heads * ARGS.head_dim * 2 * 64
