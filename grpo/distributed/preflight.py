@@ -124,7 +124,8 @@ def disk_needed(cfg: Config, checkpoint_size: int, export_size: int, start_step:
     oldest checkpoint beyond checkpoint.keep is deleted, so up to keep + 1 are there at once (keep
     = 0 keeps every one the run writes: every checkpoint.every steps and at the last step). HF
     exports are never deleted: every one due counts (every checkpoint.export_hf_every steps and at
-    the last step). A stop or divergence saves early and ends the run: those are not counted."""
+    the last step). A stop or divergence saves one checkpoint early and ends the run before any
+    later save, the last step's among them, so the count covers it too."""
     steps, keep = cfg.training.steps, cfg.checkpoint.keep
     saves = _due(start_step, steps, cfg.checkpoint.every)
     checkpoints = saves if keep == 0 or saves == 0 else max(1, min(on_disk + saves, keep + 1) - on_disk)
