@@ -19,7 +19,8 @@ from grpo.engine.types import Completion, GenerationRequest, stop_length
 
 
 class StateSnapshot:
-    """The active slots' done / eos / generated as the stream had them where `take` was called."""
+    """The active slots' done / eos / generated as the stream has them after the work queued before
+    the snapshot was made (its decode steps): copied to the host without waiting for later work."""
 
     def __init__(self, cache: SlotCache, slots: list[int]):
         self.slots = slots
