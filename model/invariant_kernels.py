@@ -259,8 +259,8 @@ def slot_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     problem = slot_attention_unsupported(H, Hkv, D)
     if problem:
         raise ValueError(f"the decode attention kernel does not support {problem}")
-    # q may be a view into the rotated query and key heads (Attention._fused_qk_norm): rows and heads
-    # are read at their strides, so only the head dimension must be contiguous.
+    # Rows and heads are read at their strides, so a view needs no copy: only the head dimension
+    # must be contiguous.
     q = q if q.stride(-1) == 1 else q.contiguous()
     out = torch.empty((B, H, D), dtype=q.dtype, device=q.device)
     if B == 0:
