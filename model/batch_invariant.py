@@ -137,10 +137,11 @@ def kernel_packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
 
 def kernel_slot_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
                           lengths: torch.Tensor, share_slots: torch.Tensor, share_lens: torch.Tensor,
-                          new_k: torch.Tensor | None = None, new_v: torch.Tensor | None = None) -> torch.Tensor:
+                          new_k: torch.Tensor | None = None, new_v: torch.Tensor | None = None,
+                          starts: torch.Tensor | None = None) -> torch.Tensor:
     """Invariant single-query attention against cache slots (invariant_kernels.slot_attention)."""
     return _state["ops"].kernels.slot_attention(q, k_cache, v_cache, slots, lengths, share_slots, share_lens,
-                                                new_k, new_v)
+                                                new_k, new_v, starts)
 
 
 def in_blocks(fn: Callable[..., torch.Tensor | tuple], *tokens: torch.Tensor, rows: int = 1) -> torch.Tensor | tuple:
@@ -227,11 +228,13 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: 
     return torch.cat([causal_attention(q[a:b], 0, k[a:b], v[a:b]) for a, b in zip(bounds[:-1], bounds[1:])])
 
 
-def slot_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+def slot_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
+                   starts: torch.Tensor | None = None) -> torch.Tensor:
     """One query per row against its own keys and values [B, L, Hkv, D] (gathered from the cache
     by model.attention.slot_decode): row b's query sits at position lengths[b] - 1 and attends to
-    its first lengths[b] keys."""
+    its first lengths[b] keys, or with starts [B] to keys starts[b]..lengths[b] - 1."""
+    firsts = [0] * len(lengths) if starts is None else starts.tolist()
     rows = []
-    for b, length in enumerate(lengths.tolist()):
-        rows.append(causal_attention(q[b : b + 1], length - 1, keys[b, :length], values[b, :length]))
+    for b, (first, length) in enumerate(zip(firsts, lengths.tolist())):
+        rows.append(causal_attention(q[b : b + 1], length - 1 - first, keys[b, first:length], values[b, first:length]))
     return torch.cat(rows)

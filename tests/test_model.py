@@ -552,6 +552,37 @@ def test_packed_attention_equals_each_sequence_alone():
         start += n
 
 
+@pytest.mark.parametrize("invariant", [False, True])
+def test_slot_decode_attends_from_each_rows_start(invariant):
+    """slot_decode with starts: row b attends to keys starts[b]..lengths[b] - 1 only (keys before
+    its start hold huge values), against plain softmax attention over those keys; start 0 is the whole slot."""
+    from model import batch_invariant
+    from model.attention import slot_decode
+
+    gen = torch.Generator().manual_seed(6)
+    H, Hkv, D, L = 4, 2, 8, 50
+    lengths, starts = [50, 40, 7, 33], [0, 39, 3, 32]
+    k_cache, v_cache = torch.randn(4, L, Hkv, D, generator=gen), torch.randn(4, L, Hkv, D, generator=gen)
+    q = torch.randn(4, H, D, generator=gen)
+    whole = slot_decode(q, k_cache, v_cache, torch.arange(4), torch.tensor(lengths, dtype=torch.int32))
+    for b, start in enumerate(starts):
+        # Values that would dominate any row that attended to them (NaN would leak through the plain
+        # path's zero weights even where it does not attend).
+        k_cache[b, :start], v_cache[b, :start] = 1e4, 1e4
+    batch_invariant.enable(invariant)
+    try:
+        out = slot_decode(q, k_cache, v_cache, torch.arange(4), torch.tensor(lengths, dtype=torch.int32),
+                          starts=torch.tensor(starts, dtype=torch.int32))
+    finally:
+        batch_invariant.enable(False)
+    for b, (start, length) in enumerate(zip(starts, lengths)):
+        keys = k_cache[b, start:length].repeat_interleave(H // Hkv, 1).transpose(0, 1)  # [H, n, D]
+        values = v_cache[b, start:length].repeat_interleave(H // Hkv, 1).transpose(0, 1)
+        weights = ((q[b, :, None] @ keys.transpose(1, 2)) / D**0.5).softmax(-1)
+        torch.testing.assert_close(out[b], (weights @ values)[:, 0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(out[0], whole[0], atol=1e-6, rtol=0)
+
+
 def test_packed_attention_runs_the_chosen_cuda_kernel(monkeypatch):
     """model.train_attention's choice reaches the packed attention: with the fast kernels serving,
     "fa4" calls FlashAttention 4 and "flash" aten's ops, each on the flat [N, H, D] token axis and the
@@ -672,6 +703,7 @@ def test_slot_cache_decode_matches_full_forward(arch_overrides):
             pos = lengths + s
             step_tokens = torch.stack([full[b][pos[b]] for b in range(3)])
             cache.position[rows] = pos
+            cache.done[rows] = False  # rows still going (a finished row attends to its own key only)
             logits = model.decode(step_tokens, pos, cache.decode_attention(rows, read_slots(cache, rows)))
             assert logits.shape == (3, V)
             for b in range(3):
