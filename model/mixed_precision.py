@@ -17,15 +17,13 @@ shares them rather than copying them, and only trainable ones have masters, copi
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from model.model import Transformer
-from model.parallelize import check_master_dtypes, compile_blocks
+from model.parallelize import check_master_dtypes, checkpoint_block, compile_blocks
 
 # Elements between parameter starts in the flat buffers: 256 bytes in fp32.
 _ALIGN = 64
@@ -86,7 +84,7 @@ class OneRankMixedPrecision:
             compile_blocks(self.compute)
         if activation_checkpointing:
             for block in self.compute.layers:
-                block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+                checkpoint_block(block)
         self.release()
 
     def prepare(self) -> None:

@@ -184,22 +184,30 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps, dtype, device)
         self.feed_forward = FeedForward(args, dtype, device)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: SequenceLayout) -> torch.Tensor:
-        """x [B, T, dim] -> [B, T, dim]: attention within each sequence of `layout`."""
-        attn = packed_attention(*tokenwise(self.attention_inputs, x, cos, sin), layout)
-        return tokenwise(self.after_attention, x, attn)
+    def forward(
+        self, x: torch.Tensor, pending: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: SequenceLayout
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream as (x, pending), both [B, T, dim], whose sum is the block's input ->
+        the block's output in the same form: attention within each sequence of `layout`."""
+        x, q, k, v = tokenwise(self.attention_inputs, x, pending, cos, sin)
+        return tokenwise(self.after_attention, x, packed_attention(q, k, v, layout))
 
     # Both paths split the block around its attention: the decode path puts the caller's
     # cache-aware kernel between the two halves, and each half is what gets compiled (the
     # attention kernels take host-side lengths that a compiled graph would specialise on).
-    def attention_inputs(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """x [B, T, dim] -> q, k, v of this block's attention (see Attention.qkv)."""
-        return self.attention.qkv(self.attention_norm(x), cos, sin)
+    # The feed-forward's output is added to the residual stream by the next block's first half
+    # (or the final norm), where the add fuses into the norm's kernel instead of being one of its own.
+    def attention_inputs(self, x: torch.Tensor, pending: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x, pending [B, T, dim] (the residual stream, and the previous block's feed-forward output
+        still to add) -> (x + pending, and q, k, v of this block's attention: see Attention.qkv)."""
+        x = x + pending
+        return (x, *self.attention.qkv(self.attention_norm(x), cos, sin))
 
-    def after_attention(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        """x [B, T, dim], attn [B, T, H, D] (attention output) -> the block's output [B, T, dim]."""
+    def after_attention(self, x: torch.Tensor, attn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, T, dim], attn [B, T, H, D] (attention output) -> (x + the attention's projection,
+        the feed-forward's output), both [B, T, dim]: their sum is the block's output."""
         x = x + project(self.attention.wo, attn.flatten(-2))
-        return x + self.feed_forward(self.ffn_norm(x))
+        return x, self.feed_forward(self.ffn_norm(x))
 
 
 class TokenLogprobs(NamedTuple):
@@ -238,6 +246,14 @@ class Transformer(nn.Module):
         copy them from the host."""
         self._inv_freq = self._inv_freq.to(device)
 
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [B, T, head_dim] in `dtype` for positions [B, T] (rope_tables at this model's frequencies)."""
+        return rope_tables(self._inv_freq, positions, dtype)
+
+    def final_norm(self, x: torch.Tensor, pending: torch.Tensor) -> torch.Tensor:
+        """The last block's output as (x, pending) [..., dim] -> the normalised hidden states [..., dim]."""
+        return self.norm(x + pending)
+
     @property
     def output_weight(self) -> torch.Tensor:
         """[V, dim]: the embedding matrix when tied."""
@@ -275,11 +291,12 @@ class Transformer(nn.Module):
         if positions is None:
             positions = torch.arange(T, device=tokens.device).expand(B, T)
         h = self.tok_embeddings(tokens)
-        cos, sin = tokenwise(lambda p: rope_tables(self._inv_freq, p, h.dtype), positions)
+        cos, sin = tokenwise(lambda p: self.rope(p, h.dtype), positions)
         layout = sequence_layout(doc_ids, (B, T), tokens.device)
+        pending = torch.zeros_like(h)
         for layer in self.layers:
-            h = layer(h, cos, sin, layout)
-        h = tokenwise(self.norm, h)
+            h, pending = layer(h, pending, cos, sin, layout)
+        h = tokenwise(self.final_norm, h, pending)
         if targets is None:
             return tokenwise(lambda x: output_logits(x, self.output_weight), h)
         logprobs, entropy = target_logprobs(h, self.output_weight, targets, temperature)
@@ -313,8 +330,9 @@ class Transformer(nn.Module):
         """`decode` up to the final norm: tokens, positions [N] -> normalised hidden states [N, dim]
         (an engine that computes logits itself, e.g. vLLM, takes them from here)."""
         h = self.tok_embeddings(tokens)[None]
-        cos, sin = tokenwise(lambda p: rope_tables(self._inv_freq, p, h.dtype), positions[None])
+        cos, sin = tokenwise(lambda p: self.rope(p, h.dtype), positions[None])
+        pending = torch.zeros_like(h)
         for i, layer in enumerate(self.layers):
-            q, k, v = tokenwise(layer.attention_inputs, h, cos, sin)
-            h = tokenwise(layer.after_attention, h, attend(i, q[0], k[0], v[0])[None])
-        return tokenwise(self.norm, h[0], lead=1)
+            h, q, k, v = tokenwise(layer.attention_inputs, h, pending, cos, sin)
+            h, pending = tokenwise(layer.after_attention, h, attend(i, q[0], k[0], v[0])[None])
+        return tokenwise(self.final_norm, h[0], pending[0], lead=1)

@@ -8,7 +8,6 @@ hand it here with a mesh.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import torch
 import torch.distributed as dist
@@ -18,7 +17,7 @@ from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 from torch.utils.checkpoint import checkpoint
 
 from model.args import ModelArgs
-from model.model import Transformer
+from model.model import Transformer, TransformerBlock
 
 
 def parallelize(
@@ -49,11 +48,27 @@ def parallelize(
         # Applied in place rather than through wrapper modules, so parameter names stay those of
         # the plain model (weight sync and HF export match tensors by name).
         if activation_checkpointing:
-            block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+            checkpoint_block(block)
         if per_block_units:
             fully_shard(block, mesh=mesh, mp_policy=mp_policy)
     fully_shard(model, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=per_block_units)
     return model
+
+
+def checkpoint_block(block: TransformerBlock) -> None:
+    """Recompute `block`'s activations in its backward. A checkpoint keeps the block's inputs until
+    then, and the block takes the residual stream as two tensors (x, pending; model.py); here they
+    are added first and handed over as one tensor and broadcast zeros, so the block keeps half the
+    memory. The block's first norm then reads the sum rounded to the compute dtype: as eager code
+    and the batch-invariant mode (Inductor emulating eager's casts) read it anyway, where a compiled
+    block in the default mode reads it unrounded (one bf16 rounding apart from the engine's)."""
+    forward = block.forward
+
+    def checkpointed(x: torch.Tensor, pending: torch.Tensor, *rest):
+        zeros = torch.zeros((), dtype=x.dtype, device=x.device).expand_as(x)
+        return checkpoint(forward, x + pending, zeros, *rest, use_reentrant=False)
+
+    block.forward = checkpointed
 
 
 def check_master_dtypes(model: torch.nn.Module, frozen_dtypes: tuple[torch.dtype, ...]) -> None:
@@ -77,10 +92,12 @@ _INDUCTOR_OPTIONS = {"triton.mix_order_reduction_non_strict_mode": True}
 def compile_blocks(model: Transformer) -> None:
     """torch.compile each block's two halves around its attention (norms, projections, RoPE,
     SwiGLU and the residuals fuse into few kernels); the attention call between them runs
-    eagerly. Shapes are dynamic, so micro-batches (or decode batches) of any token count share one
-    graph per half. Measured on one H200 at the Qwen3-0.6B shape, this beat compiling each block
-    whole, attention included (80.2k against 76.7k tokens/s in the same process; bench/RESULTS.md).
-    Used by the trainer and the engine alike."""
+    eagerly. Also the RoPE tables and the final norm, which eagerly take several kernels each: a
+    decode step runs them every time. Shapes are dynamic, so micro-batches (or decode batches) of
+    any token count share one graph per half. Measured on one H200 at the Qwen3-0.6B shape, this
+    beat compiling each block whole, attention included (80.2k against 76.7k tokens/s in the same
+    process; bench/RESULTS.md). Used by the trainer and the engine alike, so both compute the same
+    way."""
     import torch._dynamo.config as dynamo_config
 
     # Every block shares one code object per half; leave room for the guards of each block, and
@@ -89,6 +106,8 @@ def compile_blocks(model: Transformer) -> None:
     for block in model.layers:
         block.attention_inputs = torch.compile(block.attention_inputs, dynamic=True, options=_INDUCTOR_OPTIONS)
         block.after_attention = torch.compile(block.after_attention, dynamic=True, options=_INDUCTOR_OPTIONS)
+    model.rope = torch.compile(model.rope, dynamic=True)
+    model.final_norm = torch.compile(model.final_norm, dynamic=True)
 
 
 # Tensor parallelism for the generator's engine. A TP group of `tp` ranks holds one engine: query

@@ -73,8 +73,8 @@ class ModelConfig:
     ffn_dim: int = 256
     # recompute each layer's activations in backward: less memory, about a third more compute
     activation_checkpointing: bool = False
-    # CUDA only: torch.compile each layer's norms, projections, RoPE and SwiGLU for training (a slower first step, then
-    # faster ones; CPU runs eagerly)
+    # CUDA only: torch.compile each layer's norms, projections, RoPE and SwiGLU, the RoPE tables and the final norm for
+    # training (a slower first step, then faster ones; CPU runs eagerly)
     compile: bool = True
     # CUDA, bf16/fp16: the output head's matmul writes fp32 logits (not rounded to bf16) for the native engine and the
     # trainer's log-prob head; a fifth less engine-trainer log-prob gap
@@ -142,7 +142,8 @@ class GenerationConfig:
     share_prefix: bool = True
     # CUDA only: replay decode steps from CUDA graphs captured per batch-size bucket (CPU runs eagerly)
     cuda_graphs: bool = True
-    # CUDA only: torch.compile each layer's norms, RoPE and SwiGLU and the sampler (CPU runs eagerly)
+    # CUDA only: torch.compile each layer's norms, RoPE and SwiGLU, the RoPE tables, the final norm and the sampler
+    # (CPU runs eagerly)
     compile: bool = True
     # decode steps between the host's checks for finished sequences (EOS and budget are detected on the device)
     sync_every: int = 8
