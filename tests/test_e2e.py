@@ -195,3 +195,34 @@ def test_format_pattern_from_config(tmp_path):
     assert matching.returncode == 0 and default.returncode == 0, matching.stderr[-2000:] + default.stderr[-2000:]
     assert all(r["reward/format_reward"] == 1.0 for r in metrics(tmp_path / "a")[1:])
     assert all(r["reward/format_reward"] == 0.0 for r in metrics(tmp_path / "b")[1:])
+
+
+OVERLAP = [*FILTERED[:-2], "--rewards.num_workers=1", "--grpo.filter_zero_variance=true", "--grpo.dynamic_sampling=true",
+           "--parallelism.mode=colocated"]
+
+
+@pytest.mark.parametrize("nproc", [None, 2], ids=["one-rank", "two-ranks"])
+def test_scoring_during_generation_gives_the_same_run(tmp_path, nproc):
+    """rewards.overlap (scoring each engine check's finished episodes while the rest decode) against
+    scoring after generation: the same rewards, groups, rounds and losses at every step, dynamic
+    sampling's extra rounds included."""
+    keys = ("reward/mean", "reward/flat_for_low_digits", "grpo/groups_filtered", "grpo/generation_rounds", "loss/policy")
+    rows = {}
+    for overlap in ("true", "false"):
+        out = tmp_path / overlap
+        result = launch([*OVERLAP, f"--rewards.overlap={overlap}", f"--job.output_dir={out}"], nproc=nproc)
+        assert result.returncode == 0, result.stderr[-3000:]
+        rows[overlap] = [[row[k] for k in keys] for row in metrics(out)[1:]]
+    assert rows["true"] == rows["false"] and len(rows["true"]) == 2
+    assert any(row[3] >= 2 for row in rows["true"])  # dynamic sampling ran more than one round
+
+
+def test_a_reward_error_during_generation_stops_the_run_with_one_line(tmp_path):
+    """A reward call that fails while generation runs stops the run at that step with one line."""
+    result = launch([*OVERLAP[:-3], "--parallelism.mode=colocated", f"--job.output_dir={tmp_path}",
+                     "--rewards.functions=[\"tests.fixtures.slow_rewards:boom_after_first_call\"]"], nproc=None)
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "reward function 'boom_after_first_call' raised ValueError('boom')" in errors[0]
+    assert "scored together while generation ran" in errors[0]
+    assert f'File "{REPO}' not in result.stderr

@@ -211,6 +211,24 @@ def test_with_nothing_waiting_the_next_interval_is_queued_before_the_check(ref, 
     _same(out, every_step)
 
 
+@pytest.mark.parametrize("overlap_checks", [False, True], ids=["checks-read-at-once", "next-steps-queued-first"])
+def test_on_finished_hears_of_each_completion_once_as_its_check_finds_it(ref, overlap_checks):
+    """Engine.generate's on_finished: every completion exactly once, before generate returns, at the
+    check that finds it finished (budgets of 3, 6 and 11, all started together, end at different checks), in that
+    check's order; the completions are those of a call without it."""
+    sampling = SamplingParams(max_new_tokens=16, temperature=1.0)
+    budgets = [11, 3, 6, 3, 11, 6]
+    reqs = [GenerationRequest(p, 0, i, 0, max_new_tokens=n) for i, (p, n) in enumerate(zip(prompts(6, seed=6), budgets))]
+    heard: list[list[int]] = []
+    engine = make_engine(ref, sampling, seed=5, eos_ids=(), max_batch_size=6, sync_every=4, overlap_checks=overlap_checks)
+    out = engine.generate(reqs, on_finished=lambda done: heard.append([c.request.prompt_index for c in done]))
+    assert sorted(i for check in heard for i in check) == list(range(len(reqs)))
+    assert len(heard) >= 3
+    lengths = [max(budgets[i] for i in check) for check in heard]
+    assert lengths == sorted(lengths) and lengths[0] < lengths[-1]
+    _same(out, make_engine(ref, sampling, seed=5, eos_ids=(), max_batch_size=6, sync_every=4).generate(reqs))
+
+
 @pytest.mark.parametrize("max_seq_len", [None, 40], ids=["auto-sized", "fixed"])
 def test_released_cache_comes_back_with_the_same_slots_and_completions(ref, max_seq_len):
     """release_cache frees the K/V buffers (a colocated trainer gets the memory); the next generation

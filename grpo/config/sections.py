@@ -217,6 +217,9 @@ class RewardsConfig:
     num_workers: int = 1
     # a reward call that raises, hangs or returns a non-number: "stop" the run | "zero" (score 0, warn, go on)
     on_error: OnRewardError = "stop"
+    # colocated ranks, sync schedule, one-turn episodes, num_workers >= 1: score each engine check's finished episodes
+    # while the rest decode (same rewards)
+    overlap: bool = True
     # the regex format_reward checks the whole completion against ("" = <think>...</think> <answer>...</answer>)
     format_pattern: str = ""
 

@@ -212,17 +212,22 @@ class NativeEngine:
         """Queue requests, sampled with `sampling` (default: the engine's)."""
         self._queue.extend((r, sampling or self.sampling) for r in requests)
 
-    def generate(self, requests: Iterable[GenerationRequest], sampling: SamplingParams | None = None) -> list[Completion]:
+    def generate(
+        self, requests: Iterable[GenerationRequest], sampling: SamplingParams | None = None,
+        on_finished: Callable[[list[Completion]], None] | None = None,
+    ) -> list[Completion]:
         self.submit(requests, sampling)
-        return self.poll()
+        return self.poll(on_finished)
 
     def close(self) -> None:
         self._queue = []
         if self.decoder is not None:
             self.decoder.release()
 
-    def poll(self) -> list[Completion]:
-        """Run every queued request to completion; runs of equal sampling params share batches."""
+    def poll(self, on_finished: Callable[[list[Completion]], None] | None = None) -> list[Completion]:
+        """Run every queued request to completion; runs of equal sampling params share batches.
+        `on_finished` hears of each check's finished completions as the host collects them (with
+        the next interval already queued where checks overlap it)."""
         queued, self._queue = self._queue, []
         if queued and self.cache is not None and self.cache.kv_released:
             try:
@@ -243,7 +248,7 @@ class NativeEngine:
             end = start
             while end < len(queued) and queued[end][1] == queued[start][1]:
                 end += 1
-            finished.extend(self._run([r for r, _ in queued[start:end]], queued[start][1]))
+            finished.extend(self._run([r for r, _ in queued[start:end]], queued[start][1], on_finished))
             start = end
         return finished
 
@@ -262,7 +267,7 @@ class NativeEngine:
                     f"KV slot of {self.cache.max_len} tokens; raise generation.max_seq_len"
                 )
 
-    def _run(self, requests: list[GenerationRequest], sp: SamplingParams) -> list[Completion]:
+    def _run(self, requests: list[GenerationRequest], sp: SamplingParams, on_finished=None) -> list[Completion]:
         """Continuous batching over `requests` (one sampling setting); completions in their order."""
         self._check_fits(requests, sp)
         keys = request_keys(self.seed, requests)
@@ -276,7 +281,7 @@ class NativeEngine:
         ))
         while waiting:
             try:
-                self._drain(requests, keys, sp, waiting, results)
+                self._drain(requests, keys, sp, waiting, results, on_finished)
             except torch.OutOfMemoryError as exc:
                 # Restarted from scratch below; keyed sampling makes the rerun produce the same completions.
                 interrupted = [i for i, c in enumerate(results) if c is None and i not in waiting]
@@ -304,7 +309,7 @@ class NativeEngine:
             flush=True,
         )
 
-    def _drain(self, requests, keys, sp, waiting: deque, results: list) -> None:
+    def _drain(self, requests, keys, sp, waiting: deque, results: list, on_finished=None) -> None:
         """Admit, decode and collect until every request in `waiting` has a completion.
 
         With nothing left to admit, the next interval of decode steps is queued before the host
@@ -350,6 +355,8 @@ class NativeEngine:
                 else:
                     free.append(slot)
             free.sort()
+            if ended and on_finished is not None:
+                on_finished(list(ended.values()))
 
     def _decode_interval(self, active: dict[int, int], remaining: dict[int, int], free: int, round_size: int,
                          sp: SamplingParams) -> None:

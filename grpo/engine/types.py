@@ -89,8 +89,13 @@ class Engine(Protocol):
 
     version: int
 
-    def generate(self, requests: Iterable[GenerationRequest], sampling: SamplingParams | None = None) -> list[Completion]:
-        """Every request run to completion, in request order; `sampling` defaults to the engine's."""
+    def generate(
+        self, requests: Iterable[GenerationRequest], sampling: SamplingParams | None = None,
+        on_finished: Callable[[list[Completion]], None] | None = None,
+    ) -> list[Completion]:
+        """Every request run to completion, in request order; `sampling` defaults to the engine's.
+        `on_finished`, if given, is called with completions as they finish (each exactly once,
+        before generate returns), so the caller can start on them while the rest decode."""
         ...
 
     def update_weights(self, buckets: Iterable[Iterable[WeightUpdate]], version: int) -> None:

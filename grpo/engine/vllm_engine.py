@@ -240,8 +240,12 @@ class VLLMEngine:
         # Sleep mode puts the K/V cache in vLLM's own virtual-memory pool, which release_cache unmaps.
         return dict(kv_cache_memory_bytes=kv_bytes, gpu_memory_utilization=share, enable_sleep_mode=True)
 
-    def generate(self, requests: list[GenerationRequest], sampling: SamplingParams | None = None) -> list[Completion]:
-        """Completions of `requests`, in order."""
+    def generate(
+        self, requests: list[GenerationRequest], sampling: SamplingParams | None = None,
+        on_finished: Callable[[list[Completion]], None] | None = None,
+    ) -> list[Completion]:
+        """Completions of `requests`, in order. `on_finished` hears of them all at once, at the end:
+        vLLM's offline `generate` returns only when every request is done."""
         from vllm import SamplingParams as VLLMSampling
         from vllm.inputs import TokensPrompt
 
@@ -265,7 +269,10 @@ class VLLMEngine:
         outputs = self.llm.generate(
             [TokensPrompt(prompt_token_ids=r.prompt_tokens) for r in requests], params, use_tqdm=False
         )
-        return [self._completion(r, out.outputs[0]) for r, out in zip(requests, outputs)]
+        completions = [self._completion(r, out.outputs[0]) for r, out in zip(requests, outputs)]
+        if on_finished is not None:
+            on_finished(completions)
+        return completions
 
     def _completion(self, request: GenerationRequest, out) -> Completion:
         tokens = list(out.token_ids)

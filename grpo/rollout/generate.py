@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from grpo.data.prompt import Prompt
@@ -52,7 +54,10 @@ def generate_episodes(
     step: int,
     pad_id: int,
     sampling: SamplingParams | None = None,
+    on_finished: Callable[[list[Completion]], None] | None = None,
 ) -> EpisodeBatch:
-    """group_size completions of each prompt, as episodes laid out group by group."""
-    return episodes_from_completions(engine.generate(generate_requests(prompts, group_size, step), sampling), pad_id)
+    """group_size completions of each prompt, as episodes laid out group by group; `on_finished`
+    hears of completions as they finish (Engine.generate)."""
+    requests = generate_requests(prompts, group_size, step)
+    return episodes_from_completions(engine.generate(requests, sampling, on_finished=on_finished), pad_id)
 

@@ -50,6 +50,7 @@ from grpo.rollout.generate import generate_episodes
 from grpo.rollout.transport import exchange_episodes
 from grpo.run.weights import WeightPush
 from grpo.scoring.scorer import Scorer, score_episodes
+from grpo.scoring.stream import ScoringStream
 from grpo.train.checkpoint import export_bytes, export_hf
 from grpo.train.memory import explain_out_of_memory
 from grpo.train.trainer import Trainer
@@ -262,15 +263,18 @@ class Run:
         return f"generator ranks {self.roles.generator_ranks}", f"trainer ranks {self.roles.trainer_ranks}"
 
     def collect_episodes(
-        self, prompts: list[Prompt], group_size: int, step: int, sampling: SamplingParams | None = None
+        self, prompts: list[Prompt], group_size: int, step: int, sampling: SamplingParams | None = None,
+        stream: ScoringStream | None = None,
     ) -> tuple[EpisodeBatch | None, float]:
-        """Generate on generator ranks, deliver whole groups to trainer ranks.
-        Returns (this trainer's episodes or None, generation seconds of the slowest generator)."""
-        batch, generate_s = self.generate(prompts, group_size, step, sampling)
+        """Generate on generator ranks, deliver whole groups to trainer ranks; `stream` scores
+        completions as they finish. Returns (this trainer's episodes or None, generation seconds of
+        the slowest generator)."""
+        batch, generate_s = self.generate(prompts, group_size, step, sampling, stream)
         return self.deliver(batch, len(prompts), generate_s)
 
     def generate(
-        self, prompts: list[Prompt], group_size: int, step: int, sampling: SamplingParams | None = None
+        self, prompts: list[Prompt], group_size: int, step: int, sampling: SamplingParams | None = None,
+        stream: ScoringStream | None = None,
     ) -> tuple[EpisodeBatch | None, float]:
         """This generator rank's share of `prompts`, generated (None, 0 on trainer-only ranks).
         Returns (episodes, seconds). Local: no collective."""
@@ -281,7 +285,8 @@ class Run:
         mine = prompts[roles.engine_index :: roles.engines]
         start = time.perf_counter()
         if self.env is None:
-            batch = generate_episodes(self.engine, mine, group_size, step, self.tokenizer.pad_id, sampling)
+            batch = generate_episodes(self.engine, mine, group_size, step, self.tokenizer.pad_id, sampling,
+                                      stream.add if stream is not None else None)
         else:
             batch, _ = generate_conversations(
                 self.engine, self.env, mine, group_size, step, self.tokenizer, self.tokenizer.pad_id,
@@ -312,12 +317,17 @@ class Run:
         dist.broadcast(tensor, src=self.roles.leader, group=self.roles.control_group)
         return float(tensor)
 
-    def score(self, episodes: EpisodeBatch, prompts: list[Prompt]) -> dict[str, float]:
-        """Rewards on trainer ranks; every rank (generators too) learns whether any trainer failed."""
+    def score(self, episodes: EpisodeBatch, prompts: list[Prompt], stream: ScoringStream | None = None) -> dict[str, float]:
+        """Rewards on trainer ranks (from `stream` when it scored them during generation); every
+        rank (generators too) learns whether any trainer failed."""
         with self.waiting(f"the rewards of {self.peers()[1]}"):
-            sums, failure = self.score_locally(episodes, prompts)
+            sums, failure = stream.finish(episodes) if stream is not None else self.score_locally(episodes, prompts)
             self.stop_if_failed(failure, self.agree(float(failure is not None)))
         return sums
+
+    def score_defaults(self) -> dict:
+        """Metadata every reward call sees unless the prompt's own overrides it (score_inputs)."""
+        return {"format_pattern": self.cfg.rewards.format_pattern} if self.cfg.rewards.format_pattern else {}
 
     def score_locally(self, episodes: EpisodeBatch, prompts: list[Prompt]) -> tuple[dict[str, float], RewardError | None]:
         """Rewards of this trainer rank's episodes (written into them): (reward sums by function,
@@ -325,8 +335,8 @@ class Run:
         if not self.roles.is_trainer:
             return {}, None
         try:
-            defaults = {"format_pattern": self.cfg.rewards.format_pattern} if self.cfg.rewards.format_pattern else {}
-            return score_episodes(self.scorer, episodes, {p.index: p for p in prompts}, self.tokenizer.decode, defaults), None
+            prompts_by_index = {p.index: p for p in prompts}
+            return score_episodes(self.scorer, episodes, prompts_by_index, self.tokenizer.decode, self.score_defaults()), None
         except RewardError as error:
             return {}, error
 
@@ -359,14 +369,6 @@ class Run:
         flat = zero_variance_groups(episodes.rewards, G)
         keep = (~flat).repeat_interleave(G).nonzero().flatten()
         return episodes.select(keep), int(flat.sum())
-
-    def first_groups(self, episodes: EpisodeBatch, count: int) -> EpisodeBatch:
-        """Keep, over all trainer ranks together, the `count` groups with the lowest prompt indices."""
-        local = torch.unique(episodes.prompt_index).tolist()
-        gathered: list[list[int]] = [[] for _ in self.roles.trainer_ranks]
-        dist.all_gather_object(gathered, local, group=self.trainer_group)
-        chosen = torch.tensor(sorted(i for ranks in gathered for i in ranks)[:count], dtype=torch.long)
-        return episodes.select(torch.isin(episodes.prompt_index, chosen).nonzero().flatten())
 
     def step_metrics(
         self, step: int, episodes: EpisodeBatch, reward_sums: dict[str, float], train_metrics: dict[str, float],

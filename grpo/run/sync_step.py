@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import torch
 import torch.distributed as dist
 
 from grpo.data.prompt import Prompt
@@ -13,6 +14,7 @@ from grpo.distributed.collectives import all_reduce
 from grpo.observe.profile import StepProfiler
 from grpo.rollout.episode import EpisodeBatch, concat_episodes
 from grpo.run.rank import Run
+from grpo.scoring.stream import ScoringStream
 
 
 def evaluate(run: Run) -> dict[str, float]:
@@ -73,29 +75,53 @@ def _generate_rounds(run: Run, step: int, profiler: StepProfiler) -> _Rounds:
         out.count = round_index + 1
         prompts = run.source.train_prompts(step, target, round_index)
         out.prompts.update((p.index, p) for p in prompts)
-        with run.peak_memory("memory/generate_peak_gb", out.memory), profiler.phase(step, "generate"):
-            episodes, seconds = run.collect_episodes(prompts, G, step)
-        out.generate_s += seconds
-        score_start = time.perf_counter()
-        with profiler.phase(step, "score"):
-            for name, total in run.score(episodes, prompts).items():
-                out.reward_sums[name] = out.reward_sums.get(name, 0.0) + total
-            if run.roles.is_trainer:
-                out.generated.append(episodes)
-                episodes, dropped = run.advantages(episodes)
-                out.filtered += dropped
-                out.kept.append(episodes)
-        out.score_s += time.perf_counter() - score_start
+        stream = _scoring_stream(run, prompts)
+        try:
+            with run.peak_memory("memory/generate_peak_gb", out.memory), profiler.phase(step, "generate"):
+                episodes, seconds = run.collect_episodes(prompts, G, step, stream=stream)
+            out.generate_s += seconds
+            score_start = time.perf_counter()
+            with profiler.phase(step, "score"):
+                for name, total in run.score(episodes, prompts, stream).items():
+                    out.reward_sums[name] = out.reward_sums.get(name, 0.0) + total
+                if run.roles.is_trainer:
+                    out.generated.append(episodes)
+                    episodes, dropped = run.advantages(episodes)
+                    out.filtered += dropped
+                    out.kept.append(episodes)
+            out.score_s += time.perf_counter() - score_start
+        finally:
+            if stream is not None:
+                stream.close()
         local_groups = len(out.kept[-1]) // G if run.roles.is_trainer else 0
         round_groups = int(run.agree(float(local_groups), dist.ReduceOp.SUM))
         if cfg.grpo.dynamic_sampling and out.kept_groups + round_groups > target:
             if run.roles.is_trainer:
-                out.kept[-1] = run.first_groups(out.kept[-1], target - out.kept_groups)
+                out.kept[-1] = _first_groups(run, out.kept[-1], target - out.kept_groups)
             round_groups = target - out.kept_groups
         out.kept_groups += round_groups
         if out.kept_groups >= target:
             break
     return out
+
+
+def _scoring_stream(run: Run, prompts: list[Prompt]) -> ScoringStream | None:
+    """A stream that scores completions while the engine decodes the rest (rewards.overlap), or
+    None where scoring waits for the batch: split roles (trainers score what they receive),
+    multi-turn episodes, reward calls inside this process (num_workers = 0)."""
+    if not run.cfg.rewards.overlap or run.roles.split or run.env is not None or not run.scorer.num_workers:
+        return None
+    return ScoringStream(run.scorer, {p.index: p for p in prompts}, run.tokenizer.decode, run.score_defaults(),
+                         run.tokenizer.pad_id)
+
+
+def _first_groups(run: Run, episodes: EpisodeBatch, count: int) -> EpisodeBatch:
+    """Keep, over all trainer ranks together, the `count` groups with the lowest prompt indices."""
+    local = torch.unique(episodes.prompt_index).tolist()
+    gathered: list[list[int]] = [[] for _ in run.roles.trainer_ranks]
+    dist.all_gather_object(gathered, local, group=run.trainer_group)
+    chosen = torch.tensor(sorted(i for ranks in gathered for i in ranks)[:count], dtype=torch.long)
+    return episodes.select(torch.isin(episodes.prompt_index, chosen).nonzero().flatten())
 
 
 def sync_step(

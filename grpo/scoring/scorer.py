@@ -24,6 +24,20 @@ class ScoredRewards:
     per_function: dict[str, torch.Tensor]  # name -> [N] float32, unweighted
     # name -> number of episodes scored 0.0 because the call failed (on_error="zero"; else all 0)
     errors: dict[str, int] = field(default_factory=dict)
+    # name -> the first failure's message, for each function with errors
+    first_errors: dict[str, str] = field(default_factory=dict)
+
+
+def warn_zeroed(errors: dict[str, int], first_errors: dict[str, str], n: int) -> None:
+    """One warning line on stderr per reward function that scored some of n episodes 0.0 (on_error="zero")."""
+    for name, count in errors.items():
+        if count:
+            print(
+                f"warning: reward function {name!r} failed on {count}/{n} episodes, scored 0.0 "
+                f"(on_error='zero'); first: {clip(first_errors[name], 300)}",
+                file=sys.stderr,
+                flush=True,
+            )
 
 
 class Scorer:
@@ -96,8 +110,10 @@ class Scorer:
         return WorkerPool(self.num_workers)
 
     def score(
-        self, prompts: list[str], completions: list[str], answers: list[str], metadata: list[dict]
+        self, prompts: list[str], completions: list[str], answers: list[str], metadata: list[dict], warn: bool = True
     ) -> ScoredRewards:
+        """Rewards of n episodes; `warn`: print warn_zeroed's lines for this call (a caller that
+        scores a batch in several calls prints them once, for the whole batch)."""
         n = len(prompts)
         if not len(completions) == len(answers) == len(metadata) == n:
             raise ValueError(
@@ -119,15 +135,9 @@ class Scorer:
         for name, weight in zip(self.names, self.weights):
             total += weight * per_function[name]
         errors = dict(self._errors)
-        for name, count in errors.items():
-            if count:
-                print(
-                    f"warning: reward function {name!r} failed on {count}/{n} episodes, scored 0.0 "
-                    f"(on_error='zero'); first: {clip(self._first_error[name], 300)}",
-                    file=sys.stderr,
-                    flush=True,
-                )
-        return ScoredRewards(total=total, per_function=per_function, errors=errors)
+        if warn:
+            warn_zeroed(errors, self._first_error, n)
+        return ScoredRewards(total=total, per_function=per_function, errors=errors, first_errors=dict(self._first_error))
 
     def _unwrap(self, name: str, chunk: tuple[list[float], str | None, int, str | None]) -> list[float]:
         rewards, error, zeroed, first_error = chunk
@@ -212,7 +222,17 @@ def score_episodes(
     decode: Callable[[list[int]], str],
     defaults: dict | None = None,
 ) -> dict[str, float]:
-    """Fill episodes.rewards; returns each reward function's sum over these episodes.
+    """Fill episodes.rewards; returns each reward function's sum over these episodes (what each
+    call sees: score_inputs)."""
+    scored = scorer.score(*score_inputs(episodes, prompts, decode, defaults))
+    episodes.rewards = scored.total
+    return {name: float(values.sum()) for name, values in scored.per_function.items()}
+
+
+def score_inputs(
+    episodes: EpisodeBatch, prompts: dict[int, Prompt], decode: Callable[[list[int]], str], defaults: dict | None = None
+) -> tuple[list[str], list[str], list[str], list[dict]]:
+    """What the reward functions see of each episode: (prompt texts, completion texts, answers, metadata).
 
     defaults: metadata every reward call sees unless the prompt's own metadata overrides it
     (e.g. "format_pattern" for format_reward). Each call's metadata also holds "env_reward": the
@@ -229,6 +249,4 @@ def score_episodes(
             continue
         texts.append(decode([ids for sampled, ids in episodes.turns(i) if sampled][-1]))
         metadata[i]["conversation"] = decode(episodes.completion(i))
-    scored = scorer.score([p.text for p in owners], texts, [p.answer for p in owners], metadata)
-    episodes.rewards = scored.total
-    return {name: float(values.sum()) for name, values in scored.per_function.items()}
+    return [p.text for p in owners], texts, [p.answer for p in owners], metadata
