@@ -41,10 +41,10 @@ BODIES = {"0.6b": QWEN3_0_6B, "8b": QWEN3_8B}
 PER_STEP = (
     "time/step_s", "time/generate_s", "time/score_s", "time/train_s", "time/weight_sync_s", "time/gc_s",
     "throughput/generate_tok_s", "throughput/train_tok_s", "throughput/mfu",
-    "episode/length_mean", "logprob_diff/mean", "logprob_diff/max",
+    "episode/length_mean", "episode/truncated_frac", "logprob_diff/mean", "logprob_diff/max",
     "memory/generate_peak_gb", "memory/train_peak_gb", "time/generation_wait_s",
 )
-MEDIANS = PER_STEP[:9] + ("episode/length_mean", "memory/generate_peak_gb", "memory/train_peak_gb",
+MEDIANS = PER_STEP[:9] + ("episode/length_mean", "episode/truncated_frac", "memory/generate_peak_gb", "memory/train_peak_gb",
                           "time/generation_wait_s")
 # Step 0's row: the whole policy's first sync and the trainable share.
 FIRST = ("weight_sync/full_s", "weight_sync/full_bytes", "model/trainable_params", "model/params")
