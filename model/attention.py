@@ -41,23 +41,43 @@ def set_packed_kernel(name: str) -> None:
 
 
 @dataclass
+class SharedPrefixes:
+    """Keys of sequences that continue a shared prefix (grouped sequences, see sequence_layout):
+    sequence s attends to the flat tokens key_index[key_bounds[s]:key_bounds[s + 1]], its group's
+    prefix and then itself, causally aligned at its end (its own tokens' keys last)."""
+
+    key_index: torch.Tensor  # [Nk] int64, on the tokens' device
+    cu_k: torch.Tensor  # [S + 1] int32, on the tokens' device
+    key_bounds: list[int]
+    max_k: int
+
+
+@dataclass
 class SequenceLayout:
     """Sequences laid back to back on a flat token axis: sequence s spans bounds[s]:bounds[s + 1].
 
     cu_seqlens: the bounds as an int32 tensor [S + 1] on the tokens' device (for the flash kernel);
-    bounds: the same on the host (for the per-sequence CPU path); max_len: the longest sequence.
+    bounds: the same on the host (for the per-sequence CPU path); max_len: the longest sequence;
+    shared: where sequences also attend to a shared prefix (None: each sequence attends to itself only).
     """
 
     cu_seqlens: torch.Tensor
     bounds: list[int]
     max_len: int
+    shared: SharedPrefixes | None = None
 
 
-def sequence_layout(doc_ids: torch.Tensor | None, shape: tuple[int, int], device: torch.device) -> SequenceLayout:
+def sequence_layout(
+    doc_ids: torch.Tensor | None, shape: tuple[int, int], device: torch.device, group_ids: torch.Tensor | None = None
+) -> SequenceLayout:
     """The layout of rows [B, T] flattened row after row: each maximal run of equal doc_ids [B, T]
     within a row is one sequence (padding runs included: they attend among themselves and carry no
     loss). doc_ids None: one sequence per row. Reads doc_ids on the host once (doc_ids may
-    already be there: then the device is not waited for)."""
+    already be there: then the device is not waited for).
+
+    group_ids [B, T] (host, optional): sequences of one group id >= 0 share a prefix. The group's
+    run with doc id -1 is that prefix, and every other run of the group attends to it before
+    itself (a prompt computed once for all of its completions); -1: no group."""
     B, T = shape
     if doc_ids is None:
         bounds = list(range(0, B * T + 1, T))
@@ -68,11 +88,38 @@ def sequence_layout(doc_ids: torch.Tensor | None, shape: tuple[int, int], device
         starts[::T] = True  # a row always starts a sequence
         bounds = starts.nonzero().flatten().tolist() + [B * T]
     max_len = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
-    cu_seqlens = torch.tensor(bounds, dtype=torch.int32)
-    if device.type == "cuda":
-        # Pinned and asynchronous: a pageable copy would wait for the work already queued.
-        cu_seqlens = cu_seqlens.pin_memory().to(device, non_blocking=True)
-    return SequenceLayout(cu_seqlens, bounds, max_len)
+    shared = None
+    if group_ids is not None and bool((group_ids >= 0).any()):
+        if doc_ids is None:
+            raise ValueError("group_ids (shared prefixes) need doc_ids: the prefix runs are those of doc id -1")
+        shared = _shared_prefixes(doc_ids.reshape(-1), group_ids.reshape(-1), bounds, device)
+    return SequenceLayout(_on(torch.tensor(bounds, dtype=torch.int32), device), bounds, max_len, shared)
+
+
+def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`; on CUDA pinned and asynchronous (a pageable copy would wait for the
+    work already queued)."""
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
+
+
+def _shared_prefixes(doc_ids: torch.Tensor, group_ids: torch.Tensor, bounds: list[int], device: torch.device):
+    """SharedPrefixes of the runs `bounds` (see sequence_layout's group_ids)."""
+    starts = bounds[:-1]
+    groups, docs = group_ids[starts].tolist(), doc_ids[starts].tolist()
+    prefix = {g: (a, b) for g, d, a, b in zip(groups, docs, starts, bounds[1:]) if g >= 0 and d == -1}
+    pieces, key_bounds = [], [0]
+    for g, d, a, b in zip(groups, docs, starts, bounds[1:]):
+        keys = [torch.arange(a, b)]
+        if g >= 0 and d != -1:
+            if g not in prefix:
+                raise ValueError(f"packed sequence of group {g} has no prefix run (doc id -1) in its rows")
+            keys.insert(0, torch.arange(*prefix[g]))
+        pieces += keys
+        key_bounds.append(key_bounds[-1] + sum(len(t) for t in keys))
+    key_index = torch.cat(pieces)
+    max_k = max(b - a for a, b in zip(key_bounds[:-1], key_bounds[1:]))
+    return SharedPrefixes(_on(key_index, device), _on(torch.tensor(key_bounds, dtype=torch.int32), device), key_bounds,
+                          max_k)
 
 
 def fast_kernels_serve(device: torch.device, dtype: torch.dtype) -> bool:
@@ -95,30 +142,33 @@ class _FlashVarlen(torch.autograd.Function):
     once per layer per micro-batch: on one H200, a forward and backward at 16k tokens cost the host
     487 µs here against 802 µs (bench/RESULTS.md). It needs no probing of which keywords the
     installed release's `varlen_attn` takes.
+
+    Keys may be laid out apart from the queries (cu_k, max_k: a shared prefix's keys gathered before
+    each sequence's own); causal attention then aligns each sequence's queries with its last keys.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens: torch.Tensor, max_len: int) -> torch.Tensor:
+    def forward(ctx, q, k, v, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int, max_k: int) -> torch.Tensor:
         out, lse, rng_state, unused, _ = torch.ops.aten._flash_attention_forward(
-            q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, 0.0, True, False
+            q, k, v, cu_q, cu_k, max_q, max_k, 0.0, True, False
         )
-        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens, rng_state, unused)
-        ctx.max_len = max_len
+        ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, rng_state, unused)
+        ctx.max_q, ctx.max_k = max_q, max_k
         return out
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        q, k, v, out, lse, cu_seqlens, rng_state, unused = ctx.saved_tensors
-        n = ctx.max_len
+        q, k, v, out, lse, cu_q, cu_k, rng_state, unused = ctx.saved_tensors
         dq, dk, dv = torch.ops.aten._flash_attention_backward(
-            grad_out.contiguous(), q, k, v, out, lse, cu_seqlens, cu_seqlens, n, n, 0.0, True, rng_state, unused
+            grad_out.contiguous(), q, k, v, out, lse, cu_q, cu_k, ctx.max_q, ctx.max_k, 0.0, True, rng_state, unused
         )
-        return dq, dk, dv, None, None
+        return dq, dk, dv, None, None, None, None
 
 
 def _varlen_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SequenceLayout) -> torch.Tensor:
     """Flash varlen attention with autograd: q [N, H, D], k/v [N, Hkv, D] -> [N, H, D]."""
-    return _FlashVarlen.apply(q, k, v, layout.cu_seqlens, layout.max_len)
+    cu, n = layout.cu_seqlens, layout.max_len
+    return _FlashVarlen.apply(q, k, v, cu, cu, n, n)
 
 
 def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SequenceLayout) -> torch.Tensor:
@@ -126,6 +176,8 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
     of `layout` (over the B * T tokens flattened row after row)."""
     B, T, H, D = q.shape
     if batch_invariant.enabled():
+        if layout.shared is not None:
+            raise ValueError("shared prompt prefixes do not apply with batch-invariant numerics (job.bitwise_logprobs)")
         q, k, v = (t.reshape(B * T, -1, D) for t in (q, k, v))
         if not batch_invariant.uses_kernels(q):
             return batch_invariant.packed_attention(q, k, v, layout.bounds).view(B, T, H, D)
@@ -138,6 +190,8 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
     if not uses_flash(q) and len(layout.bounds) == B + 1 and layout.max_len == T:
         return _causal(q, k, v)  # one sequence per row: one batched call
     q, k, v = q.reshape(B * T, H, D), k.reshape(B * T, -1, D), v.reshape(B * T, -1, D)
+    if layout.shared is not None:
+        return _with_shared_prefixes(q, k, v, layout).view(B, T, H, D)
     if not uses_flash(q):
         out = _by_length(q, k, v, layout.bounds)
     elif _packed_kernel["name"] == "fa4":
@@ -145,6 +199,28 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
     else:
         out = _varlen_causal(q, k, v, layout)
     return out.view(B, T, H, D)
+
+
+def _with_shared_prefixes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SequenceLayout) -> torch.Tensor:
+    """packed_attention's flat q [N, H, D], k/v [N, Hkv, D] where sequences also attend to a shared
+    prefix: each sequence's keys (its prefix's, then its own) gathered into one packed key axis, so
+    the prefix is computed once and attended by every sequence of its group. On CUDA one flash
+    call; the gather's backward adds each sequence's share of the prefix keys' gradient."""
+    shared = layout.shared
+    if _packed_kernel["name"] != "flash" and uses_flash(q):
+        raise ValueError('shared prompt prefixes need model.train_attention = "flash"')
+    k, v = k[shared.key_index], v[shared.key_index]
+    if uses_flash(q):
+        return _FlashVarlen.apply(q, k, v, layout.cu_seqlens, shared.cu_k, layout.max_len, shared.max_k)
+    pieces = []
+    for qa, qb, ka, kb in zip(layout.bounds[:-1], layout.bounds[1:], shared.key_bounds[:-1], shared.key_bounds[1:]):
+        visible = torch.arange(kb - ka, device=q.device)[None, :] <= torch.arange(kb - ka - (qb - qa), kb - ka,
+                                                                                   device=q.device)[:, None]
+        pieces.append(F.scaled_dot_product_attention(
+            q[qa:qb].transpose(0, 1), k[ka:kb].transpose(0, 1), v[ka:kb].transpose(0, 1), attn_mask=visible,
+            enable_gqa=q.shape[1] != k.shape[1],
+        ).transpose(0, 1))
+    return torch.cat(pieces)
 
 
 def _by_length(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: list[int]) -> torch.Tensor:

@@ -277,12 +277,15 @@ class Transformer(nn.Module):
         doc_ids: torch.Tensor | None = None,
         targets: torch.Tensor | None = None,
         temperature: float = 1.0,
+        group_ids: torch.Tensor | None = None,
     ) -> torch.Tensor | TokenLogprobs:
         """Training / scoring pass over rows of tokens [B, T].
 
         positions [B, T]: position of each token within its own sequence (default 0..T-1).
         doc_ids [B, T]: sequence id of each token; attention stays within equal ids, and a sequence's
             tokens must be contiguous in the row (default: one sequence per row).
+        group_ids [B, T]: shared prefixes (model/attention.py sequence_layout): a group's run of doc
+            id -1 is attended to by every other sequence of the group, before its own tokens.
         Without targets: logits [B, T, V] in the compute dtype (fp32 on the invariant CUDA kernels).
         With targets [B, T]: TokenLogprobs of log softmax(logits / temperature)[target] and the entropy
             of that distribution, in fp32, computed chunk by chunk (model/logprob_head.py).
@@ -292,7 +295,7 @@ class Transformer(nn.Module):
             positions = torch.arange(T, device=tokens.device).expand(B, T)
         h = self.tok_embeddings(tokens)
         cos, sin = tokenwise(lambda p: self.rope(p, h.dtype), positions)
-        layout = sequence_layout(doc_ids, (B, T), tokens.device)
+        layout = sequence_layout(doc_ids, (B, T), tokens.device, group_ids)
         pending = torch.zeros_like(h)
         for layer in self.layers:
             h, pending = layer(h, pending, cos, sin, layout)

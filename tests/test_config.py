@@ -359,6 +359,8 @@ def test_bitwise_logprobs_refusals_name_the_key_and_the_reason(monkeypatch):
     message = error("--job.bitwise_logprobs=true", "--job.device=cpu", "--parallelism.generator_ranks=2",
                     "--parallelism.generator_tp=2", world_size=3)
     assert "job.bitwise_logprobs" in message and "generator_tp = 1" in message
+    message = error("--job.bitwise_logprobs=true", "--job.device=cpu", "--training.share_prompts=true")
+    assert "training.share_prompts = true does not apply with job.bitwise_logprobs = true" in message
 
 
 def test_fa4_train_attention_refusals_name_the_key_and_the_reason(monkeypatch):
@@ -373,6 +375,8 @@ def test_fa4_train_attention_refusals_name_the_key_and_the_reason(monkeypatch):
     assert "job.bitwise_logprobs" in message and 'train_attention = "flash"' in message
     message = error('--model.train_attention="fa4"', "--job.device=cuda", '--model.dtype="float32"')
     assert "bf16" in message
+    message = error('--model.train_attention="fa4"', "--job.device=cuda", "--training.share_prompts=true")
+    assert 'training.share_prompts = true needs model.train_attention = "flash"' in message
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
     message = error('--model.train_attention="fa4"', "--job.device=cuda")
     assert "compute capability 9.0 or newer" in message and "8.0" in message

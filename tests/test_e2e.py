@@ -226,3 +226,21 @@ def test_a_reward_error_during_generation_stops_the_run_with_one_line(tmp_path):
     assert len(errors) == 1 and "reward function 'boom_after_first_call' raised ValueError('boom')" in errors[0]
     assert "scored together while generation ran" in errors[0]
     assert f'File "{REPO}' not in result.stderr
+
+
+@pytest.mark.parametrize("nproc, mode", [(None, "colocated"), (3, "split")])
+def test_shared_prompts_train_as_the_plain_layout(tmp_path, nproc, mode):
+    """training.share_prompts: each group's prompt computed once in training; the first update is
+    the plain layout's (up to fp32 rounding), with fewer tokens computed."""
+    rows = {}
+    for share in ("false", "true"):
+        result = launch([*SHORT, f"--parallelism.mode={mode}", f"--training.share_prompts={share}",
+                         f"--job.output_dir={tmp_path / share}"], nproc=nproc)
+        assert result.returncode == 0, result.stderr[-3000:]
+        rows[share] = metrics(tmp_path / share)[1:]
+    plain, shared = rows["false"][0], rows["true"][0]
+    assert shared["reward/mean"] == plain["reward/mean"]
+    assert shared["loss/policy"] == pytest.approx(plain["loss/policy"], rel=1e-4, abs=1e-7)
+    assert shared["loss/grad_norm"] == pytest.approx(plain["loss/grad_norm"], rel=1e-4)
+    assert "train/tokens_computed" not in plain and "train/tokens_computed" in shared  # counted: tests/test_trainer.py
+    assert len(rows["true"]) == 3

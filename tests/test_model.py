@@ -532,6 +532,21 @@ def test_sequence_layout_reads_runs_of_equal_doc_ids_per_row():
     assert sequence_layout(None, (2, 6), torch.device("cpu")).bounds == [0, 6, 12]
 
 
+def test_sequence_layout_gathers_each_groups_prefix_before_its_sequences():
+    """group_ids: group 0's prefix (doc id -1, tokens 0-1) is attended to by its sequences 5 and 6
+    (tokens 2-3, 4), before their own keys; sequence 2 (tokens 5-7) is in no group."""
+    doc_ids = torch.tensor([[-1, -1, 5, 5, 6, 2, 2, 2]])
+    group_ids = torch.tensor([[0, 0, 0, 0, 0, -1, -1, -1]])
+    layout = sequence_layout(doc_ids, (1, 8), torch.device("cpu"), group_ids)
+    assert layout.bounds == [0, 2, 4, 5, 8]
+    shared = layout.shared
+    assert shared.key_index.tolist() == [0, 1, 0, 1, 2, 3, 0, 1, 4, 5, 6, 7]
+    assert shared.key_bounds == [0, 2, 6, 9, 12] and shared.cu_k.tolist() == shared.key_bounds and shared.max_k == 4
+    assert sequence_layout(doc_ids, (1, 8), torch.device("cpu"), torch.full((1, 8), -1)).shared is None
+    with pytest.raises(ValueError, match="group 3 has no prefix run"):
+        sequence_layout(torch.tensor([[4, 4]]), (1, 2), torch.device("cpu"), torch.tensor([[3, 3]]))
+
+
 def test_packed_attention_equals_each_sequence_alone():
     """Mixed lengths, 1 included, against one plain causal SDPA per sequence (fp32, GQA)."""
     gen = torch.Generator().manual_seed(5)

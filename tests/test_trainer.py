@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from grpo.config import GRPOConfig, OptimizerConfig
 from grpo.rollout.episode import EpisodeBatch
-from grpo.train.packing import pack_episodes, plan_micro_batches
+from grpo.train.packing import fit_units, pack_episodes, plan_micro_batches, prompt_units
 from grpo.train.trainer import Trainer, lr_factor
 from model import ModelArgs, Transformer
 from tests.batches import hand_made_batch
@@ -147,18 +147,20 @@ def reference_run(batch: EpisodeBatch, minibatch_groups: list[list[int]], num_it
 
 def run_trainer(
     batch: EpisodeBatch, world: int, micro_batch_tokens: int, optim: OptimizerConfig, grpo: GRPOConfig,
-    timeout_s: float | None = None,
+    timeout_s: float | None = None, share_prompts: bool = False,
 ):
     """Trainer.train on this rank's batch; (full weights after the step, metrics). Collective.
 
-    timeout_s: run on a fresh group whose collectives fail after that long (instead of hanging)."""
+    timeout_s: run on a fresh group whose collectives fail after that long (instead of hanging).
+    share_prompts: pack each group's prompt once (Trainer's share_prompts)."""
     if timeout_s is None:
         mesh = init_device_mesh("cpu", (world,))
     else:
         group = dist.new_group(list(range(world)), timeout=timedelta(seconds=timeout_s))
         mesh = DeviceMesh.from_group(group, "cpu")
     trainer = Trainer(build_model(), mesh, torch.device("cpu"), torch.float32, grpo, optim, total_steps=10,
-                      micro_batch_tokens=micro_batch_tokens, temperature=TEMPERATURE, max_new_tokens=8)
+                      micro_batch_tokens=micro_batch_tokens, temperature=TEMPERATURE, max_new_tokens=8,
+                      share_prompts=share_prompts)
     metrics = trainer.train(batch)
     weights = {}
     for name, param in trainer.model.named_parameters():
@@ -237,10 +239,10 @@ def reference():
     }
 
 
-def assert_weights_close(got: dict, want: dict, initial: dict | None = None):
+def assert_weights_close(got: dict, want: dict, initial: dict | None = None, atol: float = ATOL):
     assert got.keys() == want.keys()
     for name, w in want.items():
-        torch.testing.assert_close(got[name], w, atol=ATOL, rtol=0, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(got[name], w, atol=atol, rtol=0, msg=lambda m: f"{name}: {m}")
     if initial is not None:
         # the step is large compared with the tolerance, so a wrong gradient cannot hide in it
         moved = max(float((want[n] - initial[n]).abs().max()) for n in want)
@@ -330,6 +332,31 @@ def test_pack_episodes_multi_turn_mask_hand_built():
     assert plain.loss_mask.tolist() == [[0, 0, 1, 1, 1, 1, 1], [0, 0, 1, 0, 0, 0, 0]]
 
 
+def test_pack_episodes_with_shared_prompts_hand_layout():
+    """Two episodes of prompt [10 11 12] (its first two tokens laid down once, then each episode from
+    the prompt's last token on), one of another prompt index alone, one of the same index whose
+    prompt differs (alone too)."""
+    batch = _episode_batch(
+        prompts=[[10, 11, 12], [10, 11, 12], [30, 31], [10, 11, 19]],
+        completions=[[13, 14], [15], [32, 33, 34], [16]],
+        advantages=[0.5, -1.0, 2.0, -0.25],
+    )
+    batch.prompt_index = torch.tensor([0, 0, 1, 0])
+    assert prompt_units(batch) == [[0, 1], [2], [3]]
+    rows = pack_episodes(batch, share_prompts=True)
+    # units longest first: [0, 1] takes 2 + 2 + 1 = 5 tokens, [2] 4, [3] 3
+    assert rows.tokens.tolist() == [[10, 11, 12, 13, 12, 30, 31, 32, 33, 10, 11, 19]]
+    assert rows.targets.tolist() == [[11, 12, 13, 14, 15, 31, 32, 33, 34, 11, 19, 16]]
+    assert rows.positions.tolist() == [[0, 1, 2, 3, 2, 0, 1, 2, 3, 0, 1, 2]]
+    assert rows.doc_ids.tolist() == [[-1, -1, 0, 0, 1, 2, 2, 2, 2, 3, 3, 3]]
+    assert rows.group_ids.tolist() == [[0, 0, 0, 0, 0, -1, -1, -1, -1, -1, -1, -1]]
+    assert rows.loss_mask.tolist() == [[0, 0, 1, 1, 1, 0, 1, 1, 1, 0, 0, 1]]
+    assert rows.advantages.tolist() == [[0, 0, 0.5, 0.5, -1.0, 2.0, 2.0, 2.0, 2.0, -0.25, -0.25, -0.25]]
+    # a 5-token budget holds the pair; at 4 it is split, each part with the prompt again
+    assert fit_units(batch, [[0, 1]], 5) == [[0, 1]]
+    assert fit_units(batch, [[0, 1]], 4) == [[0], [1]]
+
+
 def test_plan_micro_batches_first_fit_decreasing():
     # lengths 5 2 7 3 4 into 8-token micro-batches: 7 -> [7]; 5 -> [5]; 4 -> [4]; 3 -> 5 + 3; 2 -> 4 + 2
     assert plan_micro_batches([5, 2, 7, 3, 4], 8) == [[2], [0, 3], [4, 1]]
@@ -389,6 +416,41 @@ def test_single_process_whole_batch_matches_reference(single, reference):
     assert_weights_close(got, weights, initial_weights())
     check_metrics(metrics, stats, updates=1, exact_ratio=True)
     assert stats["norms"][0] > 2 * MAX_NORM  # so the clipped runs really clip
+
+
+def make_shared_batch() -> EpisodeBatch:
+    """make_batch with each group's episodes on one prompt (its first episode's tokens), as generated."""
+    batch = make_batch()
+    for i in range(len(batch)):
+        first = episodes_of(batch, [int(batch.prompt_index[i]) - 10])[0]
+        batch.tokens[i, : int(batch.prompt_lens[i])] = batch.tokens[first, : int(batch.prompt_lens[i])]
+    return batch
+
+
+@pytest.mark.parametrize("micro_batch_tokens, minibatches, iterations", [
+    (WHOLE, 1, 1),
+    # 12 tokens: the groups of prompts 5 and 4 do not fit one micro-batch with their prompt once, and
+    # are split, each part with the prompt again
+    (SMALL, 1, 1),
+    (SMALL, 2, 2),  # π_old's own pass over the shared layout, in frozen groups
+])
+def test_shared_prompts_match_reference(micro_batch_tokens, minibatches, iterations):
+    """training.share_prompts: each group's prompt packed once as a prefix its episodes attend to;
+    the step is the reference's, from one plain forward per sequence."""
+    batch = make_shared_batch()
+    with single_process_group():
+        got, metrics = run_trainer(batch, 1, micro_batch_tokens, optim_config(), grpo_config(minibatches, iterations),
+                                   share_prompts=True)
+    groups = [[0, 1], [2, 3]] if minibatches == 2 else [[0, 1, 2, 3]]
+    weights, stats = reference_run(batch, groups, iterations, optim_config())
+    # A shared prompt's gradient is one sum over its episodes' attention, not one per episode: fp32
+    # rounding in another order.
+    assert_weights_close(got, weights, initial_weights(), atol=3 * ATOL)
+    check_metrics(metrics, stats, updates=minibatches * iterations, exact_ratio=iterations == 1)
+    plain = sum(int(n) - 1 for n in batch.seq_lens)
+    once = plain - 2 * sum(p - 1 for p in PROMPT_LENS)  # each prompt but its last token once, not 3 times
+    computed = metrics["train/tokens_computed"] / iterations
+    assert computed == once if micro_batch_tokens == WHOLE else once < computed < plain
 
 
 def test_single_process_micro_batches_match_reference(single, reference):

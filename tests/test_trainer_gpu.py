@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from grpo.config import GRPOConfig, OptimizerConfig
 from grpo.rollout.episode import EpisodeBatch
+from grpo.train.packing import pack_episodes
 from grpo.train.trainer import Trainer
 from model import ModelArgs, Transformer
 from model.attention import packed_attention, sequence_layout, set_packed_kernel
@@ -80,6 +81,38 @@ def _packed(lengths: list[int], seed: int):
     positions = torch.cat([torch.arange(n) for n in lengths])[None].to(DEVICE)
     doc_ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[None].to(DEVICE)
     return tokens, positions, doc_ids
+
+
+def test_shared_prompts_give_the_plain_layouts_logprobs_and_gradients():
+    """training.share_prompts on the flash kernel (keys gathered, causal aligned at each sequence's
+    end): 3 prompts x 4 completions of mixed lengths, against the plain packing, in bf16."""
+    from tests.test_trainer import _episode_batch
+
+    g = torch.Generator().manual_seed(4)
+    prompts, completions = [], []
+    for p in (7, 130, 40):
+        prompt = torch.randint(0, ARGS.vocab_size, (p,), generator=g).tolist()
+        for n in (1, 60, 200, 9):
+            prompts.append(prompt)
+            completions.append(torch.randint(0, ARGS.vocab_size, (n + p % 7,), generator=g).tolist())
+    batch = _episode_batch(prompts, completions, [1.0] * len(prompts))
+    batch.prompt_index = torch.arange(len(prompts)) // 4
+    results = []
+    for share in (False, True):
+        rows = pack_episodes(batch, share_prompts=share)
+        model = _model()
+        out = model(rows.tokens.to(DEVICE), positions=rows.positions.to(DEVICE), doc_ids=rows.doc_ids,
+                    targets=rows.targets.to(DEVICE), group_ids=rows.group_ids)
+        mask = rows.loss_mask.to(DEVICE)
+        (out.logprobs * mask).sum().backward()
+        per_token = {(d, int(p)): lp for d, p, lp, m in zip(rows.doc_ids[0].tolist(), rows.positions[0],
+                                                              out.logprobs[0].float().tolist(), rows.loss_mask[0]) if m}
+        results.append((per_token, model.layers[0].attention.wq.weight.grad.float()))
+    (plain, plain_grad), (shared, shared_grad) = results
+    assert plain.keys() == shared.keys()
+    torch.testing.assert_close(torch.tensor([shared[k] for k in plain]), torch.tensor(list(plain.values())),
+                               atol=5e-2, rtol=0)
+    torch.testing.assert_close(shared_grad, plain_grad, atol=5e-2, rtol=5e-2)
 
 
 def test_compiled_halves_and_head_match_eager_for_any_token_count():

@@ -91,6 +91,11 @@ def check_bitwise(cfg: Config) -> None:
             "job.bitwise_logprobs = true needs parallelism.generator_tp = 1: a tensor-parallel engine sums "
             "partial products in another order than the trainer's whole matmuls"
         )
+    if cfg.training.share_prompts:
+        raise ConfigError(
+            "training.share_prompts = true does not apply with job.bitwise_logprobs = true: the batch-invariant "
+            "attention kernel runs each episode whole; set training.share_prompts = false"
+        )
 
 
 def check_train_attention(cfg: Config) -> None:
@@ -105,6 +110,11 @@ def check_train_attention(cfg: Config) -> None:
         )
     if cfg.model.dtype == "float32":
         raise ConfigError('model.train_attention = "fa4" needs bf16 compute (model.dtype = "auto" or "bfloat16")')
+    if cfg.training.share_prompts:
+        raise ConfigError(
+            'training.share_prompts = true needs model.train_attention = "flash": the shared prompt\'s keys are '
+            "gathered for aten's flash kernel"
+        )
     # Imported here: reading a config must not load torch.
     from model.fa4 import fa4_problem
 

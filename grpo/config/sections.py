@@ -288,6 +288,9 @@ class TrainingConfig:
     # tokens one no-grad forward packs (π_old's log-probs when they need their own pass, and the KL reference's), in
     # whole micro-batches; 0 = 4 micro-batches (these passes keep no activations)
     frozen_pass_tokens: int = 0
+    # pack each prompt's episodes with the prompt once, as a prefix they all attend to: fewer tokens to train, the same
+    # log-probs (CPU, or CUDA with model.train_attention = "flash"; not with job.bitwise_logprobs)
+    share_prompts: bool = False
     # consecutive steps with a skipped update (non-finite loss or gradient norm) before the run stops, saving its state
     max_bad_steps: int = 3
     # "sync": generate a batch, then train on it | "async": generator ranks generate batch n + k while trainer ranks

@@ -154,6 +154,7 @@ class Run:
             total_steps=cfg.training.steps,
             micro_batch_tokens=cfg.training.micro_batch_tokens,
             frozen_pass_tokens=cfg.training.frozen_pass_tokens,
+            share_prompts=cfg.training.share_prompts,
             temperature=cfg.generation.temperature,
             max_new_tokens=cfg.max_episode_tokens,
             activation_checkpointing=cfg.model.activation_checkpointing,
@@ -379,13 +380,15 @@ class Run:
         local = episode_metrics(episodes, step, reward_sums, multi_turn=bool(self.cfg.env.name))
         per_episode = reduce_across(local, self.trainer_group, weights=float(len(episodes)))
         times = reduce_across(times, self.trainer_group)
-        return {**per_episode, **train_metrics, **times, **self._rates(episodes, times)}, times
+        return {**per_episode, **train_metrics, **times, **self._rates(episodes, times, train_metrics)}, times
 
-    def _rates(self, episodes: EpisodeBatch, times: dict[str, float]) -> dict[str, float]:
-        """Throughput of this rank's share, summed over trainer ranks; MFU against the stated peak."""
+    def _rates(self, episodes: EpisodeBatch, times: dict[str, float], train: dict[str, float]) -> dict[str, float]:
+        """Throughput of this rank's share, summed over trainer ranks; MFU against the stated peak,
+        of the tokens the trainer computed (with shared prompts, each prompt once)."""
         iterations = self.cfg.grpo.num_iterations
         trainers = len(self.roles.trainer_ranks)
         tokens = float(episodes.seq_lens.sum())
+        computed = train.get("train/tokens_computed", tokens * iterations * trainers) / trainers
         rates = {
             "throughput/generate_tok_s": float(episodes.completion_lens.sum()) / max(times["time/generate_s"], 1e-9),
             "throughput/train_tok_s": tokens * iterations / max(times["time/train_s"], 1e-9),
@@ -395,7 +398,7 @@ class Run:
         if self.peak is not None:
             lengths = episodes.seq_lens.double()
             seq_len = float((lengths * lengths).sum() / lengths.sum()) if tokens else 0.0
-            rates["throughput/mfu"] = mfu(tokens * iterations, times["time/train_s"], self.args, seq_len, self.peak[0], 1)
+            rates["throughput/mfu"] = mfu(computed, times["time/train_s"], self.args, seq_len, self.peak[0], 1)
         return reduce_across(rates, self.trainer_group, weights=1.0)
 
     def samples(self, episodes: EpisodeBatch, prompts: dict[int, Prompt]) -> list[dict]:

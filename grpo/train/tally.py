@@ -30,7 +30,7 @@ class Tally:
         """(sums, maxima) over every rank of group. Collective: every rank must have tallied the
         same keys (a rank with no micro-batches has none, and then takes part with zeros)."""
         zero = torch.zeros((), dtype=torch.float64, device=self.device)
-        sums = {k: self.sums.get(k, zero) for k in (*SUMMED_STATS, "diff_sum", "diff_exact")}
+        sums = {k: self.sums.get(k, zero) for k in (*SUMMED_STATS, "diff_sum", "diff_exact", "packed_tokens")}
         maxima = {k: self.maxima.get(k, zero) for k in ("ratio_max", "diff_max")}
         return (
             all_reduce(sums, group, device=self.device),

@@ -28,7 +28,7 @@ from grpo.config import GRPOConfig, OptimizerConfig
 from grpo.distributed.collectives import all_reduce
 from grpo.rollout.episode import EpisodeBatch
 from grpo.train.loss import LossSettings, Normalizers, policy_loss
-from grpo.train.packing import PackedRows, concat_rows, pack_episodes, plan_micro_batches
+from grpo.train.packing import PackedRows, concat_rows, micro_batch_episodes, pack_episodes
 from grpo.train.tally import Tally
 from model import Transformer
 from model.lora import LoRASpec, apply_lora
@@ -80,19 +80,21 @@ class Trainer:
         fsdp_on_one_rank: bool = False,
         lora: LoRASpec | None = None,
         frozen_pass_tokens: int = 0,
+        share_prompts: bool = False,
     ):
         """`model` and `reference` (needed when grpo.kl_coef > 0: the frozen policy the KL penalty
         pulls toward) are fp32 models on this rank's device; both get sharded over `mesh`.
         micro_batch_tokens: the most tokens (prompt + completion) one forward/backward packs.
         frozen_pass_tokens: the most tokens one no-grad forward (π_old's and the reference's
         log-probs) packs, in whole micro-batches; 0 = FROZEN_PASS_MICRO_BATCHES micro-batches.
+        share_prompts: pack a prompt's episodes with the prompt once (packing.py pack_episodes).
         fsdp_on_one_rank: wrap a one-rank mesh in FSDP2 anyway (the reference the one-rank path
         is tested against).
         lora: train low-rank adapters of a frozen base instead (model/lora.py); the base is cast
         to compute_dtype and gets neither masters nor optimizer state."""
         self.mesh, self.device = mesh, device
         self.grpo, self.optim = grpo, optim
-        self.micro_batch_tokens = micro_batch_tokens
+        self.micro_batch_tokens, self.share_prompts = micro_batch_tokens, share_prompts
         # Whole micro-batches per frozen forward: a count, not a token sum, so that every rank runs
         # the same number of forwards (FSDP's all-gathers need every rank).
         self.frozen_group = (
@@ -168,11 +170,12 @@ class Trainer:
         minibatches = []
         for group_ids in torch.tensor_split(all_groups, self.grpo.minibatches):
             episodes = torch.isin(batch.prompt_index, group_ids).nonzero().flatten()
-            lengths = (batch.seq_lens[episodes] - 1).tolist()
-            chunks = [episodes[members] for members in plan_micro_batches(lengths, self.micro_batch_tokens)]
-            minibatches.append(
-                [_MicroBatch(pack_episodes(batch.select(c), mask_truncated=self.grpo.mask_truncated)) for c in chunks]
-            )
+            chunks = micro_batch_episodes(batch, episodes, self.micro_batch_tokens, self.share_prompts)
+            minibatches.append([
+                _MicroBatch(pack_episodes(batch.select(c), mask_truncated=self.grpo.mask_truncated,
+                                          share_prompts=self.share_prompts))
+                for c in chunks
+            ])
         counts = all_reduce(dict(enumerate(len(m) for m in minibatches)), self.group, dist.ReduceOp.MAX, self.device)
         for micro_batches, count in zip(minibatches, counts.values()):
             micro_batches.extend(_MicroBatch(None) for _ in range(int(count) - len(micro_batches)))
@@ -193,6 +196,7 @@ class Trainer:
             doc_ids=rows.doc_ids,
             targets=self._to_device(rows.targets),
             temperature=self.temperature,
+            group_ids=rows.group_ids,
         )
 
     def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -292,6 +296,9 @@ class Trainer:
         (terms.loss * norm.world_size).backward()
         if self.one_rank is not None:
             self.one_rank.accumulate()
+        if self.share_prompts:
+            # A fill, not a copy from the host: a copy would wait for the work queued before it.
+            tally.add("packed_tokens", torch.full((), float(rows.tokens.shape[1]), device=self.device))
         for key, value in terms.stats.items():
             if key == "ratio_max":
                 tally.max("ratio_max", value)
@@ -327,6 +334,8 @@ class Trainer:
         }
         if self.reference is not None:
             metrics["loss/kl"] = summed.get("kl_sum", 0.0) / tokens
+        if self.share_prompts:
+            metrics["train/tokens_computed"] = summed.get("packed_tokens", 0.0)
         if self.loss_settings.tis_cap > 0:
             metrics["tis/clipped_frac"] = summed.get("tis_clipped", 0.0) / tokens
             metrics["tis/mean_weight"] = summed.get("tis_weight_sum", 0.0) / tokens
