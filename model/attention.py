@@ -212,15 +212,8 @@ def _with_shared_prefixes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lay
     k, v = k[shared.key_index], v[shared.key_index]
     if uses_flash(q):
         return _FlashVarlen.apply(q, k, v, layout.cu_seqlens, shared.cu_k, layout.max_len, shared.max_k)
-    pieces = []
-    for qa, qb, ka, kb in zip(layout.bounds[:-1], layout.bounds[1:], shared.key_bounds[:-1], shared.key_bounds[1:]):
-        visible = torch.arange(kb - ka, device=q.device)[None, :] <= torch.arange(kb - ka - (qb - qa), kb - ka,
-                                                                                   device=q.device)[:, None]
-        pieces.append(F.scaled_dot_product_attention(
-            q[qa:qb].transpose(0, 1), k[ka:kb].transpose(0, 1), v[ka:kb].transpose(0, 1), attn_mask=visible,
-            enable_gqa=q.shape[1] != k.shape[1],
-        ).transpose(0, 1))
-    return torch.cat(pieces)
+    # Each sequence's queries are the last tokens of its key sequence: suffix_prefill's reference path.
+    return suffix_prefill(q, k, v, layout.cu_seqlens, shared.cu_k, layout.max_len, shared.max_k)
 
 
 def _by_length(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: list[int]) -> torch.Tensor:
