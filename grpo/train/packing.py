@@ -91,25 +91,37 @@ def pack_episodes(
         pad = torch.full(shape, pad_id, dtype=torch.long)
         return PackedRows(pad, torch.zeros(shape, dtype=torch.long), torch.full(shape, -1), pad.clone(), zeros,
                           zeros.clone(), zeros.clone())
-    # One gather over the episodes in packing order: row r's first input_lens[r] columns, row by
-    # row, are exactly the episodes laid back to back.
-    tokens_in = batch.tokens.cpu()[order]
-    width = tokens_in.shape[1] - 1
-    lens = (batch.seq_lens.cpu() - 1)[order]
-    columns = torch.arange(width)
-    valid = columns[None, :] < lens[:, None]  # [B, T - 1]
-    loss_mask = batch.loss_mask.cpu()[order][:, 1:].to(torch.float32)
+    # Every episode whole, longest first: one run each over its input columns.
+    return _gather_runs(batch, order, torch.zeros_like(order), (batch.seq_lens.cpu() - 1)[order], order, None,
+                        mask_truncated)
+
+
+def _gather_runs(
+    batch: EpisodeBatch, episodes: torch.Tensor, first: torch.Tensor, end: torch.Tensor, doc_ids: torch.Tensor,
+    group_ids: torch.Tensor | None, mask_truncated: bool,
+) -> PackedRows:
+    """The packed row of runs [R] laid back to back: run r is episode episodes[r]'s input columns
+    first[r]:end[r], with doc id doc_ids[r] and group id group_ids[r] (None: no groups). One gather
+    per field; a run of doc id -1 (a shared prompt) carries no loss."""
+    lens = end - first
+    runs = torch.arange(len(lens)).repeat_interleave(lens)
+    run_starts = lens.cumsum(0) - lens
+    episode = episodes[runs]
+    column = first[runs] + torch.arange(int(lens.sum())) - run_starts[runs]
+    doc = doc_ids[runs]
+    carries = doc >= 0
+    loss_mask = batch.loss_mask.cpu().to(torch.float32)[episode, column + 1] * carries
     if mask_truncated:
-        loss_mask = loss_mask * ~batch.truncated.cpu()[order][:, None]
-    per_episode = (valid.shape[0], width)
+        loss_mask = loss_mask * ~batch.truncated.cpu()[episode]
     return PackedRows(
-        tokens=tokens_in[:, :-1][valid][None],
-        positions=columns.expand(per_episode)[valid][None],
-        doc_ids=order[:, None].expand(per_episode)[valid][None],
-        targets=tokens_in[:, 1:][valid][None],
-        loss_mask=loss_mask[valid][None],
-        advantages=batch.advantages.cpu().to(torch.float32)[order][:, None].expand(per_episode)[valid][None],
-        gen_logprobs=batch.gen_logprobs.cpu()[order][:, 1:].to(torch.float32)[valid][None],
+        tokens=batch.tokens.cpu()[episode, column][None],
+        positions=column[None],
+        doc_ids=doc[None],
+        targets=batch.tokens.cpu()[episode, column + 1][None],
+        loss_mask=loss_mask[None],
+        advantages=(batch.advantages.cpu().to(torch.float32)[episode] * carries)[None],
+        gen_logprobs=batch.gen_logprobs.cpu().to(torch.float32)[episode, column + 1][None],
+        group_ids=None if group_ids is None else group_ids[runs][None],
     )
 
 
@@ -164,23 +176,8 @@ def _pack_shared(batch: EpisodeBatch, mask_truncated: bool) -> PackedRows:
         runs.append((unit[0], 0, start, -1, group))
         for i in sorted(unit, key=lambda i: -int(batch.seq_lens[i])):
             runs.append((i, start, int(batch.seq_lens[i]) - 1, i, group))
-    episode = torch.cat([torch.full((b - a,), e) for e, a, b, _, _ in runs])
-    column = torch.cat([torch.arange(a, b) for _, a, b, _, _ in runs])
-    doc_ids = torch.cat([torch.full((b - a,), d) for _, a, b, d, _ in runs])
-    group_ids = torch.cat([torch.full((b - a,), g) for _, a, b, _, g in runs])
-    loss_mask = batch.loss_mask.cpu().to(torch.float32)[episode, column + 1] * (doc_ids >= 0)
-    if mask_truncated:
-        loss_mask = loss_mask * ~batch.truncated.cpu()[episode]
-    return PackedRows(
-        tokens=batch.tokens.cpu()[episode, column][None],
-        positions=column[None],
-        doc_ids=doc_ids[None],
-        targets=batch.tokens.cpu()[episode, column + 1][None],
-        loss_mask=loss_mask[None],
-        advantages=(batch.advantages.cpu().to(torch.float32)[episode] * (doc_ids >= 0))[None],
-        gen_logprobs=batch.gen_logprobs.cpu().to(torch.float32)[episode, column + 1][None],
-        group_ids=group_ids[None],
-    )
+    episodes, first, end, doc_ids, group_ids = (torch.tensor(column, dtype=torch.long) for column in zip(*runs))
+    return _gather_runs(batch, episodes, first, end, doc_ids, group_ids, mask_truncated)
 
 
 def concat_rows(parts: list[PackedRows | None]) -> tuple[PackedRows | None, list[int]]:
