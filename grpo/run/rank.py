@@ -388,7 +388,8 @@ class Run:
         iterations = self.cfg.grpo.num_iterations
         trainers = len(self.roles.trainer_ranks)
         tokens = float(episodes.seq_lens.sum())
-        computed = train.get("train/tokens_computed", tokens * iterations * trainers) / trainers
+        # train/tokens_computed is summed over the trainer ranks: this rank's share of it.
+        computed = train["train/tokens_computed"] / trainers if "train/tokens_computed" in train else tokens * iterations
         rates = {
             "throughput/generate_tok_s": float(episodes.completion_lens.sum()) / max(times["time/generate_s"], 1e-9),
             "throughput/train_tok_s": tokens * iterations / max(times["time/train_s"], 1e-9),
