@@ -107,7 +107,8 @@ def compile_blocks(model: Transformer) -> None:
         block.attention_inputs = torch.compile(block.attention_inputs, dynamic=True, options=_INDUCTOR_OPTIONS)
         block.after_attention = torch.compile(block.after_attention, dynamic=True, options=_INDUCTOR_OPTIONS)
     model.rope = torch.compile(model.rope, dynamic=True)
-    model.final_norm = torch.compile(model.final_norm, dynamic=True)
+    # The final norm's backward has the same two reductions as a block's norms.
+    model.final_norm = torch.compile(model.final_norm, dynamic=True, options=_INDUCTOR_OPTIONS)
 
 
 # Tensor parallelism for the generator's engine. A TP group of `tp` ranks holds one engine: query
