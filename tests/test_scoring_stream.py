@@ -2,6 +2,7 @@
 pieces, as an engine's checks find them finished, get the rewards of scoring the whole batch at once."""
 
 import random
+import sys
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ from grpo.data.prompt import Prompt
 from grpo.engine import Completion, GenerationRequest
 from grpo.rollout.generate import episodes_from_completions
 from grpo.scoring.scorer import Scorer, score_episodes
-from grpo.scoring.stream import ScoringStream
+from grpo.scoring.stream import STREAM_SWITCH_INTERVAL_S, ScoringStream
 
 FIXTURES = "tests.fixtures.slow_rewards"
 DIGITS = "0123456789"
@@ -112,3 +113,15 @@ def test_close_stops_without_scoring_what_is_left():
         stream.close()
         stream.add(completions)
         assert not stream._thread.is_alive() and stream._scored == 0
+
+
+def test_the_gil_switches_often_while_a_stream_lives_and_as_before_after():
+    prompts, completions = batch()
+    before = sys.getswitchinterval()
+    with Scorer(["digit_match"], [1.0], timeout_s=30, num_workers=1) as scorer:
+        stream = ScoringStream(scorer, prompts, decode, {}, pad_id=0)
+        assert sys.getswitchinterval() == pytest.approx(STREAM_SWITCH_INTERVAL_S, rel=0.05) and STREAM_SWITCH_INTERVAL_S < before
+        stream.add(completions)
+        stream.finish(episodes_from_completions(completions, pad_id=0))
+        stream.close()
+    assert sys.getswitchinterval() == before

@@ -5,11 +5,17 @@ batch's last completion and the reward workers no longer idle while the engine d
 The rewards are those of scoring the whole batch at once: each reward call sees the same inputs
 (score_inputs); only the chunks episodes are grouped in differ, so a batched reward function gets
 more, smaller calls. The warnings about zeroed episodes are printed once, for the whole batch.
+
+The thread's host work (laying episodes out, decoding text, pickling the calls) holds the GIL. The
+engine's host loop needs it back within a decode step (2-4 ms), but Python hands it over only every
+`sys.getswitchinterval()` (5 ms by default): a stream shortens that interval until it is finished
+or closed.
 """
 
 from __future__ import annotations
 
 import queue
+import sys
 import threading
 from collections.abc import Callable
 
@@ -21,6 +27,10 @@ from grpo.rollout.episode import EpisodeBatch
 from grpo.rollout.generate import episodes_from_completions
 from grpo.scoring.scorer import Scorer, score_inputs, warn_zeroed
 from rewards import RewardError
+
+# How long a thread may hold the GIL while another waits for it, as long as a stream lives: well
+# under a decode step.
+STREAM_SWITCH_INTERVAL_S = 2e-4
 
 
 class ScoringStream:
@@ -42,6 +52,8 @@ class ScoringStream:
         self._scored = 0
         self._failure: BaseException | None = None
         self._stopping = False
+        self._switch_interval = sys.getswitchinterval()
+        sys.setswitchinterval(min(self._switch_interval, STREAM_SWITCH_INTERVAL_S))
         self._thread = threading.Thread(target=self._serve, name="scoring-stream", daemon=True)
         self._thread.start()
 
@@ -56,6 +68,7 @@ class ScoringStream:
         is raised here."""
         self._queue.put(None)
         self._thread.join()
+        sys.setswitchinterval(self._switch_interval)
         if isinstance(self._failure, RewardError):
             return {}, self._failure
         if self._failure is not None:
@@ -77,6 +90,7 @@ class ScoringStream:
         self._stopping = True
         self._queue.put(None)
         self._thread.join(timeout=self.scorer.timeout_s + 5.0)
+        sys.setswitchinterval(self._switch_interval)
 
     def _serve(self) -> None:
         """Score what is queued, everything queued meanwhile in the same call, until the end mark
