@@ -24,8 +24,9 @@ from torch.distributed.tensor import DTensor
 
 from grpo.config import GRPOConfig, OptimizerConfig
 from grpo.rollout.episode import EpisodeBatch
+from grpo.train.optim import lr_factor
 from grpo.train.packing import fit_units, pack_episodes, plan_micro_batches, prompt_units
-from grpo.train.trainer import Trainer, lr_factor
+from grpo.train.trainer import Trainer
 from model import ModelArgs, Transformer
 from tests.batches import hand_made_batch
 from tests.dist_utils import abandon_group, one_thread, run_ranks, single_process_group

@@ -28,6 +28,7 @@ from grpo.config import GRPOConfig, OptimizerConfig
 from grpo.distributed.collectives import all_reduce
 from grpo.rollout.episode import EpisodeBatch
 from grpo.train.loss import LossSettings, Normalizers, policy_loss
+from grpo.train.optim import clip_gradients, lr_factor
 from grpo.train.packing import PackedRows, concat_rows, micro_batch_episodes, pack_episodes
 from grpo.train.tally import Tally
 from model import Transformer
@@ -40,14 +41,6 @@ from model.parallelize import parallelize
 # forward waits on the host at every layer (on one H200 at the Qwen3-0.6B shape, a 16k-token
 # forward takes the host longer to launch than the device to run), so fewer, larger ones are faster.
 FROZEN_PASS_MICRO_BATCHES = 4
-
-
-def lr_factor(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
-    """Linear warmup over `warmup_steps` RL steps, then cosine decay to `min_lr_ratio` at `total_steps`."""
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
-    return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
 @dataclass
@@ -376,7 +369,7 @@ class Trainer:
     def _optimizer_step(self) -> float:
         """Clip and apply the accumulated gradients, or only discard them when their global norm is
         non-finite; returns that norm."""
-        norm = float(self._clip_gradients())
+        norm = float(clip_gradients(self.model.parameters(), self.optim.max_grad_norm, self.group, self.device))
         if math.isfinite(norm):
             self.optimizer.step()
             if self.one_rank is not None:
@@ -391,34 +384,12 @@ class Trainer:
         else:
             self.optimizer.zero_grad(set_to_none=True)
 
-    def _clip_gradients(self) -> torch.Tensor:
-        """The global L2 norm of the gradients (fp32 scalar), after scaling them by
-        min(1, max_grad_norm / (norm + 1e-6)) as `clip_grad_norm_` does. Computed on each rank's
-        local shards with one sum over the ranks: through DTensor, each of the hundreds of
-        per-tensor operations pays a dispatch on the host (about 5 ms a step at 0.6B)."""
-        grads = [_local(p.grad) for p in self.model.parameters() if p.grad is not None]
-        # A step whose micro-batches are all empty leaves the one-rank path without gradients.
-        squares = torch.zeros((), device=self.device)
-        if grads:
-            squares = torch.stack(torch._foreach_norm(grads)).float().square().sum()
-        if dist.get_world_size(self.group) > 1:
-            dist.all_reduce(squares, group=self.group)
-        norm = squares.sqrt()
-        if self.optim.max_grad_norm > 0 and grads:
-            torch._foreach_mul_(grads, torch.clamp(self.optim.max_grad_norm / (norm + 1e-6), max=1.0))
-        return norm
-
 
 def _split_columns(row: torch.Tensor, widths: list[int]) -> list[torch.Tensor | None]:
     """row [1, sum(widths)] cut into consecutive [1, w] views; None where w is 0."""
     parts = row.split([w for w in widths if w], dim=1) if any(widths) else []
     it = iter(parts)
     return [next(it) if w else None for w in widths]
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a DTensor (its storage, not a copy); a plain tensor as it is."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _mean(values: list[float]) -> float:
