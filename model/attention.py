@@ -295,7 +295,7 @@ def suffix_prefill(
 def slot_decode(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor,
     share_slots: torch.Tensor | None = None, share_lens: torch.Tensor | None = None,
-    new_k: torch.Tensor | None = None, new_v: torch.Tensor | None = None, starts: torch.Tensor | None = None,
+    new_k: torch.Tensor | None = None, new_v: torch.Tensor | None = None, attended: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [B, H, D] (one query per row) against cache slots -> [B, H, D].
 
@@ -307,8 +307,9 @@ def slot_decode(
     prefilled once for several rows); reading one copy for many rows saves memory traffic.
     new_k / new_v [B, Hkv, D] (optional, together): each row's own key and value, stored at
     position lengths[b] - 1 of its slot first (on CUDA by the attention kernel itself).
-    starts [B] int32 (optional): row b attends only to keys starts[b]..lengths[b] - 1, fewer bytes
-    read for a row whose output nobody uses (a finished row still in its decode graph).
+    attended [B] int32 (optional): row b attends only to its first attended[b] (<= lengths[b])
+    keys, fewer bytes read for a row whose output nobody uses (a finished row still in its decode
+    graph attends to one key).
     """
     if share_slots is None:
         share_slots, share_lens = slots, lengths
@@ -321,21 +322,18 @@ def slot_decode(
     if batch_invariant.enabled():
         if kernel:
             return batch_invariant.kernel_slot_attention(
-                q, k_cache, v_cache, slots, lengths, share_slots, share_lens, new_k, new_v, starts
+                q, k_cache, v_cache, slots, lengths, share_slots, share_lens, new_k, new_v, attended
             )
         keys, values = _slot_keys(k_cache, v_cache, slots, share_slots, share_lens)
-        return batch_invariant.slot_attention(q, keys, values, lengths, starts)
+        return batch_invariant.slot_attention(q, keys, values, lengths, attended)
     if kernel:
         # Imported here: Triton exists only where CUDA does.
         from model.invariant_kernels import slot_attention
 
-        return slot_attention(q, k_cache, v_cache, slots, lengths, share_slots, share_lens, new_k, new_v, starts)
+        return slot_attention(q, k_cache, v_cache, slots, lengths, share_slots, share_lens, new_k, new_v, attended)
     keys, values = _slot_keys(k_cache, v_cache, slots, share_slots, share_lens)
-    key_index = torch.arange(keys.shape[1], device=q.device)[None, :]
-    live = key_index < lengths[:, None]
-    if starts is not None:
-        live = live & (key_index >= starts[:, None])
-    live = live[:, None, None, :]
+    attended = lengths if attended is None else attended
+    live = (torch.arange(keys.shape[1], device=q.device)[None, :] < attended[:, None])[:, None, None, :]
     out = F.scaled_dot_product_attention(
         q[:, :, None], keys.transpose(1, 2), values.transpose(1, 2), attn_mask=live, enable_gqa=q.shape[1] != keys.shape[2]
     )

@@ -138,10 +138,10 @@ def kernel_packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
 def kernel_slot_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
                           lengths: torch.Tensor, share_slots: torch.Tensor, share_lens: torch.Tensor,
                           new_k: torch.Tensor | None = None, new_v: torch.Tensor | None = None,
-                          starts: torch.Tensor | None = None) -> torch.Tensor:
+                          attended: torch.Tensor | None = None) -> torch.Tensor:
     """Invariant single-query attention against cache slots (invariant_kernels.slot_attention)."""
     return _state["ops"].kernels.slot_attention(q, k_cache, v_cache, slots, lengths, share_slots, share_lens,
-                                                new_k, new_v, starts)
+                                                new_k, new_v, attended)
 
 
 def in_blocks(fn: Callable[..., torch.Tensor | tuple], *tokens: torch.Tensor, rows: int = 1) -> torch.Tensor | tuple:
@@ -229,12 +229,12 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: 
 
 
 def slot_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
-                   starts: torch.Tensor | None = None) -> torch.Tensor:
+                   attended: torch.Tensor | None = None) -> torch.Tensor:
     """One query per row against its own keys and values [B, L, Hkv, D] (gathered from the cache
     by model.attention.slot_decode): row b's query sits at position lengths[b] - 1 and attends to
-    its first lengths[b] keys, or with starts [B] to keys starts[b]..lengths[b] - 1."""
-    firsts = [0] * len(lengths) if starts is None else starts.tolist()
+    its first lengths[b] keys, or with attended [B] its first attended[b] (<= lengths[b])."""
+    counts = (lengths if attended is None else attended).tolist()
     rows = []
-    for b, (first, length) in enumerate(zip(firsts, lengths.tolist())):
-        rows.append(causal_attention(q[b : b + 1], length - 1 - first, keys[b, first:length], values[b, first:length]))
+    for b, (count, length) in enumerate(zip(counts, lengths.tolist())):
+        rows.append(causal_attention(q[b : b + 1], length - 1, keys[b, :count], values[b, :count]))
     return torch.cat(rows)

@@ -108,21 +108,20 @@ def check_attention() -> None:
     assert torch.equal(k_new.nan_to_num(7.0), k_cache.nan_to_num(7.0))
     assert torch.equal(v_new.nan_to_num(7.0), v_cache.nan_to_num(7.0))
 
-    # Sequence 1's last token attending only to keys from `start` on (a finished row's own key is
-    # start = its position), with NaN before start: at the first key, inside a key block, on a
-    # block's edge, and its own key alone.
-    starts = [0, 1, 33, kernels.ATTENTION_BLOCK_N, n - 1]
-    k_tail, v_tail = (c[1:2].repeat(len(starts), 1, 1, 1) for c in (k_cache, v_cache))
-    for row, start in enumerate(starts):
-        k_tail[row, :start], v_tail[row, :start] = float("nan"), float("nan")
-    tail = kernels.slot_attention(q[b - 1 : b].repeat(len(starts), 1, 1), k_tail, v_tail, torch.arange(len(starts)),
-                                  torch.full((len(starts),), n, dtype=torch.int32),
-                                  starts=torch.tensor(starts, dtype=torch.int32))
-    for row, start in enumerate(starts):
-        want = F.scaled_dot_product_attention(q[b - 1 : b].transpose(0, 1), k[a + start : b].transpose(0, 1),
-                                              v[a + start : b].transpose(0, 1), enable_gqa=True).transpose(0, 1)
-        close(tail[row : row + 1], want)
-    assert torch.equal(tail[0], packed[b - 1]) and torch.equal(tail[-1, :2], v[b - 1].repeat_interleave(2, 0)[:2])
+    # Sequence 1's last token attending only to its slot's first `count` keys (a finished row
+    # attends to one), with NaN from there on: one key, inside a key block, a block's edge, all.
+    counts = [1, 33, kernels.ATTENTION_BLOCK_N, kernels.ATTENTION_BLOCK_N + 1, n]
+    k_head, v_head = (c[1:2].repeat(len(counts), 1, 1, 1) for c in (k_cache, v_cache))
+    for row, count in enumerate(counts):
+        k_head[row, count:], v_head[row, count:] = float("nan"), float("nan")
+    head = kernels.slot_attention(q[b - 1 : b].repeat(len(counts), 1, 1), k_head, v_head, torch.arange(len(counts)),
+                                  torch.full((len(counts),), n, dtype=torch.int32),
+                                  attended=torch.tensor(counts, dtype=torch.int32))
+    for row, count in enumerate(counts):
+        want = F.scaled_dot_product_attention(q[b - 1 : b].transpose(0, 1), k[a : a + count].transpose(0, 1),
+                                              v[a : a + count].transpose(0, 1), enable_gqa=True).transpose(0, 1)
+        close(head[row : row + 1], want)
+    assert torch.equal(head[-1], packed[b - 1]) and torch.equal(head[0, :2], v[a].repeat_interleave(2, 0)[:2])
 
 
 def check_gradients() -> None:

@@ -568,31 +568,32 @@ def test_packed_attention_equals_each_sequence_alone():
 
 
 @pytest.mark.parametrize("invariant", [False, True])
-def test_slot_decode_attends_from_each_rows_start(invariant):
-    """slot_decode with starts: row b attends to keys starts[b]..lengths[b] - 1 only (keys before
-    its start hold huge values), against plain softmax attention over those keys; start 0 is the whole slot."""
+def test_slot_decode_attends_to_each_rows_first_keys(invariant):
+    """slot_decode with attended: row b attends to its first attended[b] keys only (the keys after
+    them hold huge values), against plain softmax attention over those keys; attended = lengths is
+    the whole slot."""
     from model import batch_invariant
     from model.attention import slot_decode
 
     gen = torch.Generator().manual_seed(6)
     H, Hkv, D, L = 4, 2, 8, 50
-    lengths, starts = [50, 40, 7, 33], [0, 39, 3, 32]
+    lengths, counts = [50, 40, 7, 33], [50, 1, 3, 17]
     k_cache, v_cache = torch.randn(4, L, Hkv, D, generator=gen), torch.randn(4, L, Hkv, D, generator=gen)
     q = torch.randn(4, H, D, generator=gen)
     whole = slot_decode(q, k_cache, v_cache, torch.arange(4), torch.tensor(lengths, dtype=torch.int32))
-    for b, start in enumerate(starts):
+    for b, count in enumerate(counts):
         # Values that would dominate any row that attended to them (NaN would leak through the plain
         # path's zero weights even where it does not attend).
-        k_cache[b, :start], v_cache[b, :start] = 1e4, 1e4
+        k_cache[b, count:], v_cache[b, count:] = 1e4, 1e4
     batch_invariant.enable(invariant)
     try:
         out = slot_decode(q, k_cache, v_cache, torch.arange(4), torch.tensor(lengths, dtype=torch.int32),
-                          starts=torch.tensor(starts, dtype=torch.int32))
+                          attended=torch.tensor(counts, dtype=torch.int32))
     finally:
         batch_invariant.enable(False)
-    for b, (start, length) in enumerate(zip(starts, lengths)):
-        keys = k_cache[b, start:length].repeat_interleave(H // Hkv, 1).transpose(0, 1)  # [H, n, D]
-        values = v_cache[b, start:length].repeat_interleave(H // Hkv, 1).transpose(0, 1)
+    for b, count in enumerate(counts):
+        keys = k_cache[b, :count].repeat_interleave(H // Hkv, 1).transpose(0, 1)  # [H, n, D]
+        values = v_cache[b, :count].repeat_interleave(H // Hkv, 1).transpose(0, 1)
         weights = ((q[b, :, None] @ keys.transpose(1, 2)) / D**0.5).softmax(-1)
         torch.testing.assert_close(out[b], (weights @ values)[:, 0], atol=1e-5, rtol=0)
     torch.testing.assert_close(out[0], whole[0], atol=1e-6, rtol=0)

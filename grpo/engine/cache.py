@@ -174,13 +174,13 @@ class SlotCache:
     def decode_attention(self, slots: torch.Tensor, reads: SlotReads):
         """attend() for one decode step over slots [B]: row b's token sits at reads.position[b] of
         slot slots[b]; its K/V are stored there and it attends over the slot's first
-        reads.lengths[b] keys (a finished row over its own key only: reads.starts), the shared
+        reads.lengths[b] keys (a finished row over one key only: reads.attended), the shared
         prompt's read from reads.share_slots[b] (PrefixShares)."""
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             return slot_decode(
                 q, self.k[layer], self.v[layer], slots, reads.lengths, reads.share_slots, reads.share_lens, k, v,
-                reads.starts,
+                reads.attended,
             )
 
         return attend

@@ -19,7 +19,7 @@ BLOCK = 256
 @triton.jit
 def _read_kernel(rows, last_token, position, key, share_slot, share_len, done,
                  token_out, position_out, key_out, next_position_out, lengths_out, share_slots_out, share_lens_out,
-                 starts_out, n_rows, BLOCK: tl.constexpr):
+                 attended_out, n_rows, BLOCK: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     inside = i < n_rows
     slot = tl.load(rows + i, mask=inside, other=0)
@@ -32,7 +32,7 @@ def _read_kernel(rows, last_token, position, key, share_slot, share_len, done,
     tl.store(share_slots_out + i, tl.load(share_slot + slot, mask=inside, other=0), mask=inside)
     tl.store(share_lens_out + i, tl.load(share_len + slot, mask=inside, other=0), mask=inside)
     finished = tl.load(done + slot, mask=inside, other=0) != 0
-    tl.store(starts_out + i, tl.where(finished, at, 0).to(tl.int32), mask=inside)
+    tl.store(attended_out + i, tl.where(finished, 1, at + 1).to(tl.int32), mask=inside)
 
 
 @triton.jit
@@ -62,14 +62,14 @@ def read_slots(cache, rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """slot_step.read_slots' values for rows [B] int64, in its order (one kernel)."""
     B = rows.shape[0]
     outs = [torch.empty(B, dtype=torch.int64, device=rows.device) for _ in range(4)]
-    lengths, share_lens, starts = (torch.empty(B, dtype=torch.int32, device=rows.device) for _ in range(3))
+    lengths, share_lens, attended = (torch.empty(B, dtype=torch.int32, device=rows.device) for _ in range(3))
     share_slots = torch.empty(B, dtype=torch.int64, device=rows.device)
     if B:
         _read_kernel[(triton.cdiv(B, BLOCK),)](
             rows, cache.last_token, cache.position, cache.key, cache.share_slot, cache.share_len, cache.done,
-            *outs, lengths, share_slots, share_lens, starts, B, BLOCK=BLOCK,
+            *outs, lengths, share_slots, share_lens, attended, B, BLOCK=BLOCK,
         )
-    return (*outs, lengths, share_slots, share_lens, starts)
+    return (*outs, lengths, share_slots, share_lens, attended)
 
 
 def advance_slots(cache, rows: torch.Tensor, new: torch.Tensor, logprob: torch.Tensor, eos_ids: torch.Tensor) -> None:

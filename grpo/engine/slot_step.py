@@ -31,10 +31,11 @@ class SlotReads(NamedTuple):
     """The decode inputs of a batch's rows, each [B]: the token to feed and its position (int64),
     the noise key (int64), the position the drawn token will take (int64), the live keys after this
     step (int32, = position + 1), the slot and length of the shared prompt K/V the row reads
-    (int64, int32; see SlotCache.share_slot), and the first key the row attends to (int32): 0, or
-    for a row whose slot is finished its own key only (= position). A finished row stays in its
-    decode graph until the host's next check, and nothing reads its output; attending to its whole
-    slot would read the slot's K/V for nothing, up to two check intervals per finished row."""
+    (int64, int32; see SlotCache.share_slot), and the keys the row attends to, its slot's first
+    `attended` (int32): the live keys, or for a row whose slot is finished one key. A finished row
+    stays in its decode graph until the host's next check, and nothing reads its output; attending
+    to its whole slot would read the slot's K/V for nothing, up to two check intervals per
+    finished row."""
 
     token: torch.Tensor
     position: torch.Tensor
@@ -43,7 +44,7 @@ class SlotReads(NamedTuple):
     lengths: torch.Tensor
     share_slots: torch.Tensor
     share_lens: torch.Tensor
-    starts: torch.Tensor
+    attended: torch.Tensor
 
 
 def read_slots(cache, rows: torch.Tensor) -> SlotReads:
@@ -53,10 +54,11 @@ def read_slots(cache, rows: torch.Tensor) -> SlotReads:
 
         return SlotReads(*slot_kernels.read_slots(cache, rows))
     position = cache.position[rows]
-    starts = torch.where(cache.done[rows], position, 0).to(torch.int32)
+    lengths = (position + 1).to(torch.int32)
+    attended = torch.where(cache.done[rows], torch.ones_like(lengths), lengths)
     return SlotReads(
-        cache.last_token[rows], position, cache.key[rows], position + 1, (position + 1).to(torch.int32),
-        cache.share_slot[rows], cache.share_len[rows], starts,
+        cache.last_token[rows], position, cache.key[rows], position + 1, lengths,
+        cache.share_slot[rows], cache.share_len[rows], attended,
     )
 
 
