@@ -219,7 +219,7 @@ def test_scoring_during_generation_gives_the_same_run(tmp_path, nproc):
 
 def test_a_reward_error_during_generation_stops_the_run_with_one_line(tmp_path):
     """A reward call that fails while generation runs stops the run at that step with one line."""
-    result = launch([*OVERLAP[:-3], "--parallelism.mode=colocated", f"--job.output_dir={tmp_path}",
+    result = launch([*OVERLAP[:-3], "--parallelism.mode=colocated", "--rewards.overlap=true", f"--job.output_dir={tmp_path}",
                      "--rewards.functions=[\"tests.fixtures.slow_rewards:boom_after_first_call\"]"], nproc=None)
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
