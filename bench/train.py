@@ -22,6 +22,8 @@ Reported per line: tokens/s over the batch's tokens (best of --reps after a warm
 time is `first_step_s`: compile included), MFU = model FLOP/s over the bf16 matmul rate measured
 in this run (8192^3), and peak memory. Model FLOPs per token: 6 x matmul parameters (the tied head
 included) + 12 x layers x heads x head_dim x the mean causal context; recomputation not counted.
+tandem's output head runs on the completion tokens only (65% of each batch: the tokens that carry
+the loss), HF's on every token, and each one's MFU counts the head where it runs.
 """
 
 from __future__ import annotations
@@ -91,11 +93,13 @@ def matmul_params(args: ModelArgs) -> int:
     return args.n_layers * (attention + 3 * args.dim * args.ffn_dim) + args.vocab_size * args.dim
 
 
-def model_flops(args: ModelArgs, lengths: list[int]) -> float:
-    """Forward + backward FLOPs of the batch (no recomputation)."""
+def model_flops(args: ModelArgs, lengths: list[int], head_tokens: int) -> float:
+    """Forward + backward FLOPs of the batch (no recomputation), the output head on head_tokens."""
     tokens = sum(lengths)
     context = sum(n * (n + 1) / 2 for n in lengths)  # keys attended, summed over tokens
-    return 6 * matmul_params(args) * tokens + 12 * args.n_layers * args.n_heads * args.head_dim * context
+    head = args.vocab_size * args.dim
+    return (6 * (matmul_params(args) - head) * tokens + 6 * head * head_tokens
+            + 12 * args.n_layers * args.n_heads * args.head_dim * context)
 
 
 def matmul_rate(device: torch.device) -> float:
@@ -225,7 +229,8 @@ def main() -> None:
         config = CONFIGS[name]
         lengths = sequence_lengths(config)
         budget = max(opts.micro_batch_tokens, max(lengths))
-        flops = model_flops(args, lengths)
+        completions = int(episode_batch(lengths, args.vocab_size).completion_lens.sum())
+        flops = {"tandem": model_flops(args, lengths, completions), "hf": model_flops(args, lengths, sum(lengths))}
         rows = {}
         runs = [("tandem", c, logits, attention) for c in compile_modes for logits in opts.logits.split(",")
                 for attention in opts.attention.split(",")]
@@ -248,7 +253,7 @@ def main() -> None:
                 if opts.profile:
                     profile(step, Path(opts.profile) / f"{name}_{key}")
                 record = dict(tok_s=round(sum(lengths) / best), step_s=round(best, 4), first_step_s=round(first, 2),
-                              mfu=round(flops / best / peak, 3),
+                              mfu=round(flops["tandem" if impl == "tandem" else "hf"] / best / peak, 3),
                               peak_gb=round(torch.cuda.max_memory_allocated(device) / 1e9, 1))
             except torch.OutOfMemoryError as exc:
                 record = dict(error=f"out of memory: {str(exc).splitlines()[0]}")

@@ -93,13 +93,15 @@ def sequence_layout(
         if doc_ids is None:
             raise ValueError("group_ids (shared prefixes) need doc_ids: the prefix runs are those of doc id -1")
         shared = _shared_prefixes(doc_ids.reshape(-1), group_ids.reshape(-1), bounds, device)
-    return SequenceLayout(_on(torch.tensor(bounds, dtype=torch.int32), device), bounds, max_len, shared)
+    return SequenceLayout(to_device(torch.tensor(bounds, dtype=torch.int32), device), bounds, max_len, shared)
 
 
-def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on `device`; on CUDA pinned and asynchronous (a pageable copy would wait for the
-    work already queued)."""
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """t on `device`; from the host to CUDA pinned and asynchronous (a pageable copy would wait for
+    the work already queued)."""
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def _shared_prefixes(doc_ids: torch.Tensor, group_ids: torch.Tensor, bounds: list[int], device: torch.device):
@@ -118,8 +120,8 @@ def _shared_prefixes(doc_ids: torch.Tensor, group_ids: torch.Tensor, bounds: lis
         key_bounds.append(key_bounds[-1] + sum(len(t) for t in keys))
     key_index = torch.cat(pieces)
     max_k = max(b - a for a, b in zip(key_bounds[:-1], key_bounds[1:]))
-    return SharedPrefixes(_on(key_index, device), _on(torch.tensor(key_bounds, dtype=torch.int32), device), key_bounds,
-                          max_k)
+    cu_k = to_device(torch.tensor(key_bounds, dtype=torch.int32), device)
+    return SharedPrefixes(to_device(key_index, device), cu_k, key_bounds, max_k)
 
 
 def fast_kernels_serve(device: torch.device, dtype: torch.dtype) -> bool:

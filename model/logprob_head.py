@@ -128,9 +128,25 @@ def target_logprobs(
     weight: torch.Tensor,
     targets: torch.Tensor,
     temperature: float = 1.0,
+    index: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """hidden [B, T, dim], weight [V, dim], targets [B, T] -> (log softmax(hidden @ weight.T /
-    temperature)[targets], entropy), both [B, T] fp32, differentiable w.r.t. hidden and weight."""
+    temperature)[targets], entropy), both [B, T] fp32, differentiable w.r.t. hidden and weight.
+
+    index [M] (int64, on hidden's device, increasing): the flat positions (row * T + column) whose
+    log-probs are wanted; the head runs on those tokens only and every other position gets 0 and 0
+    (None: every position). Each token's figures are those of the whole-row call where the head's
+    numerics are batch-invariant."""
     B, T, D = hidden.shape
-    logprobs, entropy = _ChunkedHead.apply(hidden.reshape(B * T, D), weight, targets.reshape(B * T), temperature)
+    flat_hidden, flat_targets = hidden.reshape(B * T, D), targets.reshape(B * T)
+    if index is None:
+        logprobs, entropy = _ChunkedHead.apply(flat_hidden, weight, flat_targets, temperature)
+        return logprobs.view(B, T), entropy.view(B, T)
+    # No wanted token still runs the head on one, weighted 0: the weight's gradient must exist on
+    # every rank alike (FSDP reduces the same parameters everywhere).
+    scale = 1.0 if index.numel() else 0.0
+    index = index if index.numel() else torch.zeros(1, dtype=torch.long, device=hidden.device)
+    picked = _ChunkedHead.apply(flat_hidden[index], weight, flat_targets[index], temperature)
+    logprobs, entropy = (torch.zeros(B * T, dtype=p.dtype, device=p.device).index_copy(0, index, p * scale)
+                         for p in picked)
     return logprobs.view(B, T), entropy.view(B, T)

@@ -28,7 +28,7 @@ from torch import nn
 
 from model import batch_invariant
 from model.args import ModelArgs
-from model.attention import SequenceLayout, packed_attention, sequence_layout, uses_flash
+from model.attention import SequenceLayout, packed_attention, sequence_layout, to_device, uses_flash
 from model.batch_invariant import head_logits, linear, output_logits, project, tokenwise
 from model.logprob_head import target_logprobs
 
@@ -278,6 +278,7 @@ class Transformer(nn.Module):
         targets: torch.Tensor | None = None,
         temperature: float = 1.0,
         group_ids: torch.Tensor | None = None,
+        head_mask: torch.Tensor | None = None,
     ) -> torch.Tensor | TokenLogprobs:
         """Training / scoring pass over rows of tokens [B, T].
 
@@ -289,6 +290,8 @@ class Transformer(nn.Module):
         Without targets: logits [B, T, V] in the compute dtype (fp32 on the invariant CUDA kernels).
         With targets [B, T]: TokenLogprobs of log softmax(logits / temperature)[target] and the entropy
             of that distribution, in fp32, computed chunk by chunk (model/logprob_head.py).
+        head_mask [B, T] bool (with targets; best on the host): the tokens whose log-probs are wanted;
+            the output head runs on those only, and the others get 0 (default: every token).
         """
         B, T = tokens.shape
         if positions is None:
@@ -302,7 +305,8 @@ class Transformer(nn.Module):
         h = tokenwise(self.final_norm, h, pending)
         if targets is None:
             return tokenwise(lambda x: output_logits(x, self.output_weight), h)
-        logprobs, entropy = target_logprobs(h, self.output_weight, targets, temperature)
+        index = None if head_mask is None else to_device(head_mask.reshape(-1).nonzero().squeeze(1), h.device)
+        logprobs, entropy = target_logprobs(h, self.output_weight, targets, temperature, index)
         # Cloned out of the views so that FSDP's pre-backward hook sits on a tensor no in-place op can bypass.
         return TokenLogprobs(logprobs.clone(), entropy.clone())
 

@@ -312,6 +312,9 @@ def test_flops_per_token_hand_count(tied, n_kv_heads):
     # matrix, 2 FLOPs per multiply-add per head dimension and head; training = 3 x forward
     attention = 3 * args.n_layers * 2 * (2 * args.n_heads * args.head_dim * T * T / 2)
     assert flops_per_token(args, T) == pytest.approx(6 * matmul + attention / T, rel=1e-12)
+    # the head on a quarter of the tokens: three quarters of its V x dim multiply-adds not done
+    head = args.vocab_size * args.dim
+    assert flops_per_token(args, T, head_share=0.25) == pytest.approx(6 * (matmul - 0.75 * head) + attention / T, rel=1e-12)
 
 
 def test_peak_flops_table_and_override(monkeypatch):

@@ -681,6 +681,58 @@ def test_head_gradient_matches_autograd_of_the_plain_formula(temperature, monkey
     torch.testing.assert_close(got[1], weight.grad, atol=1e-12, rtol=0)
 
 
+@pytest.mark.parametrize("invariant", [False, True], ids=["default", "batch-invariant"])
+def test_head_on_masked_tokens_gives_their_logprobs_and_gradients(invariant, monkeypatch):
+    """head_mask: the output head runs on the masked tokens only. Their log-probs and entropies are
+    those of the whole-row call (bitwise with batch-invariant numerics), every other token gets 0,
+    and the gradients of a masked loss are those of the whole-row call's."""
+    monkeypatch.setattr(logprob_head, "LOGPROB_CHUNK_TOKENS", 5)
+    model = native_model(seed=3, tie_embeddings=False)
+    V = model.args.vocab_size
+    gen = torch.Generator().manual_seed(6)
+    seqs = [torch.randint(V, (n,), generator=gen) for n in (9, 12)]
+    tokens, positions, doc_ids = (t[None] for t in pack(seqs, 24))
+    targets = torch.randint(V, tokens.shape, generator=gen)
+    mask = torch.zeros(tokens.shape, dtype=torch.bool)
+    mask[0, 4:9] = mask[0, 13:21] = True
+    weights = torch.randn(tokens.shape, generator=gen)
+
+    def run(head_mask):
+        model.zero_grad()
+        out = model(tokens, positions, doc_ids, targets=targets, head_mask=head_mask)
+        ((out.logprobs + out.entropy) * weights * mask).sum().backward()
+        return out, {name: p.grad.clone() for name, p in model.named_parameters()}
+
+    from model import batch_invariant
+
+    batch_invariant.enable(invariant)
+    try:
+        (full, full_grads), (part, part_grads) = run(None), run(mask)
+    finally:
+        batch_invariant.enable(False)
+    assert torch.equal(part.logprobs[~mask], torch.zeros((~mask).sum().item()))
+    assert torch.equal(part.entropy[~mask], torch.zeros((~mask).sum().item()))
+    if invariant:
+        assert torch.equal(part.logprobs[mask], full.logprobs[mask])
+        assert torch.equal(part.entropy[mask], full.entropy[mask])
+    torch.testing.assert_close(part.logprobs[mask], full.logprobs[mask], atol=1e-6, rtol=0)
+    torch.testing.assert_close(part.entropy[mask], full.entropy[mask], atol=1e-6, rtol=0)
+    assert part_grads.keys() == full_grads.keys()
+    for name, grad in full_grads.items():
+        torch.testing.assert_close(part_grads[name], grad, atol=1e-5, rtol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_head_with_no_masked_token_still_gives_the_weight_a_gradient():
+    """A micro-batch without loss tokens: all log-probs 0, and the output weight's gradient is
+    zeros rather than missing (FSDP reduces the same gradients on every rank)."""
+    model = native_model(seed=3, tie_embeddings=False)
+    tokens = torch.randint(model.args.vocab_size, (1, 6), generator=torch.Generator().manual_seed(1))
+    out = model(tokens, targets=tokens, head_mask=torch.zeros(1, 6, dtype=torch.bool))
+    assert torch.equal(out.logprobs, torch.zeros(1, 6)) and torch.equal(out.entropy, torch.zeros(1, 6))
+    out.logprobs.sum().backward()
+    assert model.output.weight.grad is not None and not model.output.weight.grad.any()
+
+
 # --------------------------------------------------------------------------------------------- 8. KV cache (the engine's slots)
 
 

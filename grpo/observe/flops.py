@@ -36,9 +36,10 @@ def matmul_params(args: ModelArgs) -> int:
     return args.n_layers * (attention + ffn) + args.vocab_size * args.dim
 
 
-def flops_per_token(args: ModelArgs, seq_len: float) -> float:
+def flops_per_token(args: ModelArgs, seq_len: float, head_share: float = 1.0) -> float:
     """Training FLOPs (forward + backward) per token: 6 × matmul_params + 6 · n_layers · n_heads ·
-    head_dim · seq_len.
+    head_dim · seq_len, the LM head's share weighted by head_share (the fraction of tokens it runs
+    on: the trainer skips tokens that carry no loss).
 
     The attention term: per layer and token the forward computes q·k and p·v against the keys it
     attends to, 2 · 2 · n_heads · head_dim FLOPs per key; causally a token of a length-L sequence
@@ -47,7 +48,8 @@ def flops_per_token(args: ModelArgs, seq_len: float) -> float:
     per-token figure exact for the batch.
     """
     attention = 6 * args.n_layers * args.n_heads * args.head_dim * seq_len
-    return 6.0 * matmul_params(args) + attention
+    head = args.vocab_size * args.dim
+    return 6.0 * (matmul_params(args) - head + head_share * head) + attention
 
 
 def peak_flops(device: torch.device, dtype: torch.dtype, override_tflops: float = 0.0) -> tuple[float, str] | None:
@@ -75,7 +77,9 @@ def peak_flops(device: torch.device, dtype: torch.dtype, override_tflops: float 
     return None
 
 
-def mfu(tokens: float, seconds: float, args: ModelArgs, seq_len: float, peak: float, ranks: int) -> float:
+def mfu(
+    tokens: float, seconds: float, args: ModelArgs, seq_len: float, peak: float, ranks: int, head_share: float = 1.0
+) -> float:
     """Model FLOPs utilisation: the fraction of `ranks` devices' `peak` FLOP/s (each) that training
-    on `tokens` tokens in `seconds` amounts to, by flops_per_token(args, seq_len)."""
-    return tokens * flops_per_token(args, seq_len) / (max(seconds, 1e-9) * peak * ranks)
+    on `tokens` tokens in `seconds` amounts to, by flops_per_token(args, seq_len, head_share)."""
+    return tokens * flops_per_token(args, seq_len, head_share) / (max(seconds, 1e-9) * peak * ranks)

@@ -51,6 +51,7 @@ REDUCTIONS: dict[str, str] = {
     "grpo/groups_trained": "sum",
     "grpo/generation_rounds": "max",  # every rank runs the same rounds
     "train/skipped_updates": "max",  # an update skipped on one rank is skipped on all
+    "train/loss_tokens": "max",  # summed over the trainer ranks already: the same on every rank
     "time/": "max",  # the slowest rank
     "throughput/": "sum",  # tokens per second of ranks running in parallel
     "throughput/mfu": "mean",  # a fraction of each rank's own peak

@@ -384,7 +384,8 @@ class Run:
 
     def _rates(self, episodes: EpisodeBatch, times: dict[str, float], train: dict[str, float]) -> dict[str, float]:
         """Throughput of this rank's share, summed over trainer ranks; MFU against the stated peak,
-        of the tokens the trainer computed (with shared prompts, each prompt once)."""
+        of the tokens the trainer computed (with shared prompts, each prompt once), the output head
+        on its loss tokens only."""
         iterations = self.cfg.grpo.num_iterations
         trainers = len(self.roles.trainer_ranks)
         tokens = float(episodes.seq_lens.sum())
@@ -399,7 +400,8 @@ class Run:
         if self.peak is not None:
             lengths = episodes.seq_lens.double()
             seq_len = float((lengths * lengths).sum() / lengths.sum()) if tokens else 0.0
-            rates["throughput/mfu"] = mfu(computed, times["time/train_s"], self.args, seq_len, self.peak[0], 1)
+            head_share = min(train.get("train/loss_tokens", computed) / trainers / max(computed, 1.0), 1.0)
+            rates["throughput/mfu"] = mfu(computed, times["time/train_s"], self.args, seq_len, self.peak[0], 1, head_share)
         return reduce_across(rates, self.trainer_group, weights=1.0)
 
     def samples(self, episodes: EpisodeBatch, prompts: dict[int, Prompt]) -> list[dict]:

@@ -176,7 +176,8 @@ class Trainer:
 
     def _forward(self, rows: PackedRows | None, model: Transformer | None = None):
         """Per-token log-probs and entropy [R, W] of a packed micro-batch (one pad token if empty),
-        under the policy or the given model."""
+        under the policy or the given model; 0 at tokens that carry no loss (the output head skips
+        them: every use of the log-probs is masked by the loss)."""
         model = self.policy if model is None else model
         if rows is None:
             # An empty micro-batch still runs forward/backward: FSDP's collectives need every rank.
@@ -190,6 +191,7 @@ class Trainer:
             targets=self._to_device(rows.targets),
             temperature=self.temperature,
             group_ids=rows.group_ids,
+            head_mask=rows.loss_mask > 0,
         )
 
     def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -324,6 +326,7 @@ class Trainer:
             "logprob_diff/exact_frac": summed.get("diff_exact", 0.0) / (tokens / self.grpo.num_iterations),
             "optimizer/lr": lr,
             "train/skipped_updates": float(skipped),
+            "train/loss_tokens": summed.get("tokens", 0.0),
         }
         if self.reference is not None:
             metrics["loss/kl"] = summed.get("kl_sum", 0.0) / tokens
