@@ -19,7 +19,7 @@ import torch
 
 from grpo.config import MetricsConfig
 from grpo.observe import metrics as metrics_module
-from grpo.observe.flops import flops_per_token, mfu, peak_flops
+from grpo.observe.flops import batch_mfu, flops_per_token, mfu, peak_flops
 from grpo.observe.metrics import MetricsBackendError, MetricsLogger, reduce_across, reduction_of
 from model import ModelArgs, Transformer
 from tests.dist_utils import run_ranks
@@ -350,3 +350,14 @@ def test_mfu():
     per_token = flops_per_token(args, 16.0)
     # 1000 tokens in 2 s on 2 devices of 1 TFLOP/s each
     assert mfu(1000, 2.0, args, 16.0, 1e12, 2) == pytest.approx(1000 * per_token / 2.0 / 2e12)
+
+
+def test_batch_mfu_counts_the_head_on_its_tokens_and_attention_at_the_weighted_length():
+    args = ModelArgs(vocab_size=100, dim=8, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=4, ffn_dim=16)
+    blocks = 2 * (8 * 4 * (2 * 2 + 2 * 1) + 3 * 8 * 16)  # q, k, v, o and SwiGLU weights of 2 layers
+    head = 100 * 8
+    # sequences of 4 and 12 tokens: each token sees its own sequence, so the token-weighted mean
+    # length is (4 * 4 + 12 * 12) / 16 = 10; the head runs on 8 of the 16 tokens
+    per_token = 6 * (blocks + head * 8 / 16) + 6 * 2 * 2 * 4 * 10
+    got = batch_mfu(torch.tensor([4, 12]), 16.0, 8.0, 0.5, args, 1e6)
+    assert got == pytest.approx(16 * per_token / 0.5 / 1e6, rel=1e-12)

@@ -77,6 +77,16 @@ def peak_flops(device: torch.device, dtype: torch.dtype, override_tflops: float 
     return None
 
 
+def batch_mfu(
+    seq_lens: torch.Tensor, computed: float, head_tokens: float, seconds: float, args: ModelArgs, peak: float
+) -> float:
+    """MFU of one device that trained `computed` tokens of the sequences seq_lens [N] in `seconds`,
+    the output head on `head_tokens` of them; the attention term at their token-weighted mean length."""
+    lengths = seq_lens.double()
+    seq_len = float((lengths * lengths).sum() / lengths.sum()) if float(lengths.sum()) > 0 else 0.0
+    return mfu(computed, seconds, args, seq_len, peak, 1, min(head_tokens / max(computed, 1.0), 1.0))
+
+
 def mfu(
     tokens: float, seconds: float, args: ModelArgs, seq_len: float, peak: float, ranks: int, head_share: float = 1.0
 ) -> float:

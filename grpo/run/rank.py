@@ -37,7 +37,7 @@ from grpo.envs import make_environment
 from grpo.envs.calls import EnvCalls
 from grpo.errors import TandemError
 from grpo.observe.episodes import episode_metrics, episode_samples
-from grpo.observe.flops import mfu, peak_flops
+from grpo.observe.flops import batch_mfu, peak_flops
 from grpo.observe.metrics import reduce_across
 from grpo.rollout.conversation import generate_conversations
 from grpo.rollout.episode import (
@@ -398,10 +398,9 @@ class Run:
             "weight_sync/bytes": self.weights.step_bytes / trainers,
         }
         if self.peak is not None:
-            lengths = episodes.seq_lens.double()
-            seq_len = float((lengths * lengths).sum() / lengths.sum()) if tokens else 0.0
-            head_share = min(train.get("train/loss_tokens", computed) / trainers / max(computed, 1.0), 1.0)
-            rates["throughput/mfu"] = mfu(computed, times["time/train_s"], self.args, seq_len, self.peak[0], 1, head_share)
+            head_tokens = train.get("train/loss_tokens", computed * trainers) / trainers
+            rates["throughput/mfu"] = batch_mfu(episodes.seq_lens, computed, head_tokens, times["time/train_s"],
+                                                self.args, self.peak[0])
         return reduce_across(rates, self.trainer_group, weights=1.0)
 
     def samples(self, episodes: EpisodeBatch, prompts: dict[int, Prompt]) -> list[dict]:
