@@ -398,7 +398,7 @@ class Run:
             "weight_sync/bytes": self.weights.step_bytes / trainers,
         }
         if self.peak is not None:
-            head_tokens = train.get("train/loss_tokens", computed * trainers) / trainers
+            head_tokens = train["train/loss_tokens"] / trainers
             rates["throughput/mfu"] = batch_mfu(episodes.seq_lens, computed, head_tokens, times["time/train_s"],
                                                 self.args, self.peak[0])
         return reduce_across(rates, self.trainer_group, weights=1.0)

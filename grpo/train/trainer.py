@@ -32,6 +32,7 @@ from grpo.train.optim import clip_gradients, lr_factor
 from grpo.train.packing import PackedRows, concat_rows, micro_batch_episodes, pack_episodes
 from grpo.train.tally import Tally
 from model import Transformer
+from model.attention import to_device
 from model.lora import LoRASpec, apply_lora
 from model.mixed_precision import OneRankMixedPrecision
 from model.parallelize import parallelize
@@ -196,9 +197,7 @@ class Trainer:
 
     def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
         """A host tensor on the training device, copied without making the host wait for the device."""
-        if self.device.type != "cuda":
-            return tensor.to(self.device)
-        return tensor.pin_memory().to(self.device, non_blocking=True)
+        return to_device(tensor, self.device)
 
     def train(self, batch: EpisodeBatch) -> dict[str, float]:
         """One RL step on this rank's scored episodes (whole groups): num_iterations passes over the
