@@ -109,19 +109,28 @@ def _shared_prefixes(doc_ids: torch.Tensor, group_ids: torch.Tensor, bounds: lis
     starts = bounds[:-1]
     groups, docs = group_ids[starts].tolist(), doc_ids[starts].tolist()
     prefix = {g: (a, b) for g, d, a, b in zip(groups, docs, starts, bounds[1:]) if g >= 0 and d == -1}
-    pieces, key_bounds = [], [0]
+    spans, key_bounds = [], [0]  # the (start, end) runs of keys, sequence after sequence
     for g, d, a, b in zip(groups, docs, starts, bounds[1:]):
-        keys = [torch.arange(a, b)]
+        own = b - a
         if g >= 0 and d != -1:
             if g not in prefix:
                 raise ValueError(f"packed sequence of group {g} has no prefix run (doc id -1) in its rows")
-            keys.insert(0, torch.arange(*prefix[g]))
-        pieces += keys
-        key_bounds.append(key_bounds[-1] + sum(len(t) for t in keys))
-    key_index = torch.cat(pieces)
+            spans.append(prefix[g])
+            own += prefix[g][1] - prefix[g][0]
+        spans.append((a, b))
+        key_bounds.append(key_bounds[-1] + own)
+    starts_t, ends_t = torch.tensor(spans, dtype=torch.long).unbind(1)
+    key_index = concat_ranges(starts_t, ends_t - starts_t)
     max_k = max(b - a for a, b in zip(key_bounds[:-1], key_bounds[1:]))
     cu_k = to_device(torch.tensor(key_bounds, dtype=torch.int32), device)
     return SharedPrefixes(to_device(key_index, device), cu_k, key_bounds, max_k)
+
+
+def concat_ranges(starts: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+    """arange(starts[r], starts[r] + lens[r]) of each run r [R], back to back [sum lens], in a few
+    vectorised ops rather than one arange per run."""
+    total = int(lens.sum())
+    return torch.arange(total) + (starts - (lens.cumsum(0) - lens)).repeat_interleave(lens, output_size=total)
 
 
 def fast_kernels_serve(device: torch.device, dtype: torch.dtype) -> bool:

@@ -358,6 +358,18 @@ def test_pack_episodes_with_shared_prompts_hand_layout():
     assert fit_units(batch, [[0, 1]], 4) == [[0], [1]]
 
 
+def test_prompt_units_when_the_first_episode_of_a_prompt_differs():
+    """The first episode of prompt index 0 has another prompt than the next two (which share one);
+    one-token prompts never share; index 2's pair shares although index 0 has the same tokens."""
+    batch = _episode_batch(
+        prompts=[[10, 11, 19], [10, 11, 12], [10, 11, 12], [7], [7], [10, 11, 12], [10, 11, 12]],
+        completions=[[1]] * 7,
+        advantages=[0.0] * 7,
+    )
+    batch.prompt_index = torch.tensor([0, 0, 0, 1, 1, 2, 2])
+    assert prompt_units(batch) == [[0], [1, 2], [3], [4], [5, 6]]
+
+
 def test_plan_micro_batches_first_fit_decreasing():
     # lengths 5 2 7 3 4 into 8-token micro-batches: 7 -> [7]; 5 -> [5]; 4 -> [4]; 3 -> 5 + 3; 2 -> 4 + 2
     assert plan_micro_batches([5, 2, 7, 3, 4], 8) == [[2], [0, 3], [4, 1]]

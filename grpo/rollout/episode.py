@@ -88,11 +88,13 @@ class EpisodeBatch:
 
     def select(self, index: torch.Tensor | slice | list[int]) -> EpisodeBatch:
         """The episodes at `index`, trimmed to their longest sequence."""
-        picked = EpisodeBatch(**{f.name: getattr(self, f.name)[index] for f in fields(self)})
-        width = int(picked.seq_lens.max()) if len(picked) else 0
-        for name in PER_TOKEN:
-            setattr(picked, name, getattr(picked, name)[:, :width])
-        return picked
+        lens = self.seq_lens[index]
+        width = int(lens.max()) if len(lens) else 0
+        # Rows and columns in one indexing: a tensor index gives a contiguous copy of just the kept columns.
+        return EpisodeBatch(**{
+            f.name: getattr(self, f.name)[index, :width] if f.name in PER_TOKEN else getattr(self, f.name)[index]
+            for f in fields(self)
+        })
 
     @property
     def sampled_lens(self) -> torch.Tensor:

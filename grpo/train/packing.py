@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from grpo.rollout.episode import EpisodeBatch
+from model.attention import concat_ranges
 
 
 @dataclass
@@ -64,7 +65,8 @@ def micro_batch_episodes(
         return [episodes[members] for members in plan_micro_batches(lengths, budget)]
     sub = batch.select(episodes)
     units = fit_units(sub, prompt_units(sub), budget)
-    bins = plan_micro_batches([unit_tokens(sub, u) for u in units], budget)
+    lens = _lengths(sub)
+    bins = plan_micro_batches([unit_tokens(*lens, u) for u in units], budget)
     return [episodes[[i for u in members for i in units[u]]] for members in bins]
 
 
@@ -104,24 +106,31 @@ def _gather_runs(
     first[r]:end[r], with doc id doc_ids[r] and group id group_ids[r] (None: no groups). One gather
     per field; a run of doc id -1 (a shared prompt) carries no loss."""
     lens = end - first
-    runs = torch.arange(len(lens)).repeat_interleave(lens)
-    run_starts = lens.cumsum(0) - lens
-    episode = episodes[runs]
-    column = first[runs] + torch.arange(int(lens.sum())) - run_starts[runs]
-    doc = doc_ids[runs]
-    carries = doc >= 0
-    loss_mask = batch.loss_mask.cpu().to(torch.float32)[episode, column + 1] * carries
-    if mask_truncated:
-        loss_mask = loss_mask * ~batch.truncated.cpu()[episode]
+    total = int(lens.sum())
+    # Per-run values spread over their tokens with repeat_interleave (faster than indexing by run).
+    episode = episodes.repeat_interleave(lens, output_size=total)
+    column = concat_ranges(first, lens)
+    doc = doc_ids.repeat_interleave(lens, output_size=total)
+    carries = doc_ids >= 0
+    keeps = carries & ~batch.truncated.cpu()[episodes] if mask_truncated else carries
+    # Flat offsets into the [N, L] per-token fields: index_select on a flat view is several times
+    # faster than indexing rows and columns.
+    at = episode * batch.tokens.shape[1] + column
+
+    def gathered(field: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        return field.cpu().reshape(-1).index_select(0, offsets)
+
+    per_token = {"advantages": batch.advantages.cpu().to(torch.float32)[episodes] * carries, "keeps": keeps}
+    spread = {name: value.repeat_interleave(lens, output_size=total) for name, value in per_token.items()}
     return PackedRows(
-        tokens=batch.tokens.cpu()[episode, column][None],
+        tokens=gathered(batch.tokens, at)[None],
         positions=column[None],
         doc_ids=doc[None],
-        targets=batch.tokens.cpu()[episode, column + 1][None],
-        loss_mask=loss_mask[None],
-        advantages=(batch.advantages.cpu().to(torch.float32)[episode] * carries)[None],
-        gen_logprobs=batch.gen_logprobs.cpu().to(torch.float32)[episode, column + 1][None],
-        group_ids=None if group_ids is None else group_ids[runs][None],
+        targets=gathered(batch.tokens, at + 1)[None],
+        loss_mask=(gathered(batch.loss_mask, at + 1) & spread["keeps"]).to(torch.float32)[None],
+        advantages=spread["advantages"][None],
+        gen_logprobs=gathered(batch.gen_logprobs, at + 1).to(torch.float32)[None],
+        group_ids=None if group_ids is None else group_ids.repeat_interleave(lens, output_size=total)[None],
     )
 
 
@@ -129,18 +138,38 @@ def prompt_units(batch: EpisodeBatch) -> list[list[int]]:
     """The episodes that can share their prompt: those of one prompt index whose prompts (at least
     2 tokens) are the same tokens, each such set of two or more one unit, every other episode a
     unit of its own. Units in order of their first episode."""
+    lens, indices = batch.prompt_lens.tolist(), batch.prompt_index.tolist()
+    # Each episode against the first episode of its prompt index and prompt length, in one comparison
+    # (hashing every prompt's tokens on the host cost milliseconds); only a mismatch is hashed.
+    firsts: dict[tuple[int, int], int] = {}
+    candidate = torch.tensor([firsts.setdefault((index, length), i) for i, (index, length) in enumerate(zip(indices, lens))],
+                             dtype=torch.long)
+    width = max(lens, default=0)
+    prompts = batch.tokens[:, :width]
+    beyond = torch.arange(width)[None, :] >= batch.prompt_lens[:, None]
+    matches = ((prompts == prompts[candidate]) | beyond).all(dim=1).tolist()
     units: dict[tuple, list[int]] = {}
-    lens = batch.prompt_lens.tolist()
-    for i, (index, length) in enumerate(zip(batch.prompt_index.tolist(), lens)):
-        key = (index, tuple(batch.tokens[i, :length].tolist())) if length >= 2 else (i,)
+    for i, (index, length) in enumerate(zip(indices, lens)):
+        if length < 2:
+            key: tuple = ("alone", i)
+        elif matches[i]:
+            key = ("first", int(candidate[i]))
+        else:
+            key = ("prompt", index, tuple(batch.tokens[i, :length].tolist()))
         units.setdefault(key, []).append(i)
     return list(units.values())
 
 
-def unit_tokens(batch: EpisodeBatch, unit: list[int]) -> int:
-    """Tokens a unit of prompt_units takes when packed with shared prompts (a lone episode: its seq_len - 1)."""
-    inputs = sum(int(batch.seq_lens[i]) - 1 for i in unit)
-    return inputs if len(unit) == 1 else inputs - (len(unit) - 1) * (int(batch.prompt_lens[unit[0]]) - 1)
+def _lengths(batch: EpisodeBatch) -> tuple[list[int], list[int]]:
+    """Each episode's input tokens (seq_len - 1) and prompt tokens, on the host once for the loops below."""
+    return (batch.seq_lens - 1).tolist(), batch.prompt_lens.tolist()
+
+
+def unit_tokens(input_lens: list[int], prompt_lens: list[int], unit: list[int]) -> int:
+    """Tokens a unit of prompt_units takes when packed with shared prompts (a lone episode: its
+    input tokens), from the episodes' input and prompt lengths (_lengths)."""
+    inputs = sum(input_lens[i] for i in unit)
+    return inputs if len(unit) == 1 else inputs - (len(unit) - 1) * (prompt_lens[unit[0]] - 1)
 
 
 def fit_units(batch: EpisodeBatch, units: list[list[int]], budget: int) -> list[list[int]]:
@@ -148,13 +177,14 @@ def fit_units(batch: EpisodeBatch, units: list[list[int]], budget: int) -> list[
     longest first, in as few parts as fit, each part with the prompt again (an episode longer than
     the budget stays alone, for plan_micro_batches to refuse)."""
     fitted = []
+    input_lens, prompt_lens = _lengths(batch)
     for unit in units:
-        if unit_tokens(batch, unit) <= budget:
+        if unit_tokens(input_lens, prompt_lens, unit) <= budget:
             fitted.append(unit)
             continue
         part: list[int] = []
-        for i in sorted(unit, key=lambda i: -int(batch.seq_lens[i])):
-            if part and unit_tokens(batch, part + [i]) > budget:
+        for i in sorted(unit, key=lambda i: -input_lens[i]):
+            if part and unit_tokens(input_lens, prompt_lens, part + [i]) > budget:
                 fitted.append(part)
                 part = []
             part.append(i)
@@ -165,17 +195,18 @@ def fit_units(batch: EpisodeBatch, units: list[list[int]], budget: int) -> list[
 def _pack_shared(batch: EpisodeBatch, mask_truncated: bool) -> PackedRows:
     """pack_episodes with share_prompts: per unit of prompt_units, longest unit first, the shared
     prefix (prompt[:-1]) and then each episode's inputs from column prompt_len - 1 on."""
-    units = sorted(prompt_units(batch), key=lambda u: -unit_tokens(batch, u))
+    input_lens, prompt_lens = _lengths(batch)
+    units = sorted(prompt_units(batch), key=lambda u: -unit_tokens(input_lens, prompt_lens, u))
     # (episode, first column, end column, doc id, group id) of each run, in packing order
     runs = []
     for group, unit in enumerate(units):
         if len(unit) == 1:
-            runs.append((unit[0], 0, int(batch.seq_lens[unit[0]]) - 1, unit[0], -1))
+            runs.append((unit[0], 0, input_lens[unit[0]], unit[0], -1))
             continue
-        start = int(batch.prompt_lens[unit[0]]) - 1
+        start = prompt_lens[unit[0]] - 1
         runs.append((unit[0], 0, start, -1, group))
-        for i in sorted(unit, key=lambda i: -int(batch.seq_lens[i])):
-            runs.append((i, start, int(batch.seq_lens[i]) - 1, i, group))
+        for i in sorted(unit, key=lambda i: -input_lens[i]):
+            runs.append((i, start, input_lens[i], i, group))
     episodes, first, end, doc_ids, group_ids = (torch.tensor(column, dtype=torch.long) for column in zip(*runs))
     return _gather_runs(batch, episodes, first, end, doc_ids, group_ids, mask_truncated)
 
