@@ -29,7 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.weight_sync import QWEN3_0_6B, timed  # noqa: E402
 from grpo.config import GRPOConfig, OptimizerConfig  # noqa: E402
-from grpo.train.checkpoint import export_hf, load_checkpoint, save_checkpoint  # noqa: E402
+from grpo.train.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
+from grpo.train.export import export_hf  # noqa: E402
 from grpo.train.trainer import Trainer  # noqa: E402
 from model import ModelArgs, Transformer  # noqa: E402
 

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.api import CheckpointException, _wrap_exceptio
 
 from grpo.config import load_config
 from grpo.distributed.preflight import StartupError, check_checkpoints, disk_needed
-from grpo.train.checkpoint import CheckpointSaveError, Failure, export_hf, on_every_rank, save_checkpoint
+from grpo.train.checkpoint import Failure, on_every_rank, save_checkpoint
 from grpo.train.checkpoint_folders import (
     MANIFEST,
     CheckpointDamaged,
@@ -34,6 +34,8 @@ from grpo.train.checkpoint_folders import (
     incomplete_checkpoints,
     set_aside_newer,
 )
+from grpo.train.export import export_hf
+from grpo.train.save_errors import CheckpointSaveError
 from tests.dist_utils import one_thread, single_process_group
 from tests.test_checkpoint import _trainer
 from tests.test_e2e import REPO, command, launch, launch_env, metrics

@@ -16,8 +16,9 @@ from torch.func import functional_call
 
 from grpo.config import ConfigError, load_config
 from grpo.engine import NativeEngine, SamplingParams
-from grpo.train.checkpoint import export_hf, load_checkpoint, save_checkpoint
+from grpo.train.checkpoint import load_checkpoint, save_checkpoint
 from grpo.train.checkpoint_folders import saved_shapes
+from grpo.train.export import export_hf
 from grpo.train.trainer import Trainer
 from model import Transformer
 from model.lora import TARGETS, LoRALinear, LoRASpec, apply_lora

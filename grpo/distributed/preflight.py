@@ -39,8 +39,10 @@ import torch.distributed as dist
 from grpo.config import Config
 from grpo.distributed.collectives import all_reduce
 from grpo.errors import TandemError
-from grpo.train.checkpoint import checkpoint_bytes, describe_bytes, export_bytes
+from grpo.train.checkpoint import checkpoint_bytes
 from grpo.train.checkpoint_folders import check_matches, checkpoint_root, complete_checkpoints, saved_step, step_of
+from grpo.train.export import export_bytes
+from grpo.train.save_errors import describe_bytes
 
 LOCK_NAME = ".tandem.lock"
 

@@ -25,14 +25,7 @@ from grpo.observe.report import render_report
 from grpo.run.async_step import AsyncSteps
 from grpo.run.rank import Run, RunAborted, TrainingDiverged
 from grpo.run.sync_step import evaluate, sync_step
-from grpo.train.checkpoint import (
-    CheckpointSaveError,
-    checkpoint_bytes,
-    load_checkpoint,
-    load_inflight,
-    on_every_rank,
-    save_checkpoint,
-)
+from grpo.train.checkpoint import checkpoint_bytes, load_checkpoint, load_inflight, on_every_rank, save_checkpoint
 from grpo.train.checkpoint_folders import (
     CheckpointDamaged,
     CheckpointMismatch,
@@ -41,6 +34,7 @@ from grpo.train.checkpoint_folders import (
     next_resume,
     set_aside_newer,
 )
+from grpo.train.save_errors import CheckpointSaveError
 
 
 def run_loop(cfg: Config, run: Run, resume: Path | None = None, stop: GracefulStop | None = None) -> None:

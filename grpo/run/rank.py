@@ -51,7 +51,7 @@ from grpo.rollout.transport import exchange_episodes
 from grpo.run.weights import WeightPush
 from grpo.scoring.scorer import Scorer, score_episodes
 from grpo.scoring.stream import ScoringStream
-from grpo.train.checkpoint import export_bytes, export_hf
+from grpo.train.export import export_bytes, export_hf
 from grpo.train.memory import explain_out_of_memory
 from grpo.train.trainer import Trainer
 from model import ModelArgs, Transformer, from_hf

@@ -1,4 +1,4 @@
-"""Resumable checkpoints (DCP) and HF exports of the policy.
+"""Resumable checkpoints (DCP) of the training (HF exports of the policy: export.py).
 
 A checkpoint is the folder <job.output_dir>/checkpoints/step_N:
   trainer/        the fp32 policy and its AdamW state as DTensor shards, written by
@@ -32,7 +32,7 @@ import math
 import os
 import random
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import fields
 from pathlib import Path
 from typing import NamedTuple, TypeVar
@@ -44,7 +44,6 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
-from grpo.errors import TandemError
 from grpo.rollout.episode import EpisodeBatch
 from grpo.train.checkpoint_folders import (
     MANIFEST,
@@ -54,19 +53,12 @@ from grpo.train.checkpoint_folders import (
     incomplete_checkpoints,
     one_line,
 )
+from grpo.train.save_errors import CheckpointSaveError, describe_bytes, error_chain, no_space
 from grpo.train.trainer import Trainer
-from model import ModelArgs
-from model.hf import save_hf
-from model.lora import is_adapter, merge_adapters
-from model.lora_export import save_peft_adapter
 
 # the async schedule's batches generated ahead, one file per generator rank
 _INFLIGHT = "inflight"
 T = TypeVar("T")
-
-
-class CheckpointSaveError(TandemError, RuntimeError):
-    """A checkpoint could not be written (out of disk space, an I/O error); the older ones are intact."""
 
 
 class _TrainerState(Stateful):
@@ -145,12 +137,12 @@ def on_every_rank(
     try:
         result, error = action(), None
     except (Exception, CheckpointException) as raised:  # DCP's CheckpointException is a BaseException
-        if any(isinstance(cause, KeyboardInterrupt) for cause in _causes(raised)):
+        if any(isinstance(cause, KeyboardInterrupt) for cause in error_chain(raised)):
             raise  # a second Ctrl-C, which DCP wraps: stop at once, and nothing is damaged
         result, error = None, raised
     mine = None
     if error is not None:
-        mine = Failure(one_line(error), _no_space(error) or (disk_full is not None and disk_full()))
+        mine = Failure(one_line(error), no_space(error) or (disk_full is not None and disk_full()))
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     return result, error, {rank: failure for rank, failure in enumerate(gathered) if failure is not None}
@@ -261,40 +253,12 @@ def _give_up(
             f"{describe_bytes(free)} are free; the older checkpoints in {root} are as they were (free some space "
             "or lower checkpoint.keep, then run the same command to resume)"
         ) from error
-    if error is not None and not any(isinstance(cause, OSError) for cause in _causes(error)):
+    if error is not None and not any(isinstance(cause, OSError) for cause in error_chain(error)):
         raise error
     rank, failure = next(iter(failed.items()))
     raise CheckpointSaveError(
         f"could not save checkpoint {final}: {failure.why} (rank {rank}); the older checkpoints in {root} are as they were"
     ) from error
-
-
-def _no_space(error: BaseException) -> bool:
-    """Whether ENOSPC (or EDQUOT, a full quota) is in `error`'s chain."""
-    return any(isinstance(c, OSError) and c.errno in (errno.ENOSPC, errno.EDQUOT) for c in _causes(error))
-
-
-def _causes(error: BaseException) -> list[BaseException]:
-    """`error`, the errors it was raised from or during, and, in DCP's CheckpointException, each rank's error."""
-    found: list[BaseException] = []
-    todo: list[BaseException | None] = [error]
-    while todo:
-        current = todo.pop()
-        if current is None or any(current is seen for seen in found):
-            continue
-        found.append(current)
-        todo += [current.__cause__, current.__context__]
-        if isinstance(current, CheckpointException):
-            todo += [wrapped for wrapped, _ in current.failures.values()]
-    return found
-
-
-def describe_bytes(count: float) -> str:
-    """A byte count for people: in GB from 1 GB up, in MB from 1 MB up, in kB below."""
-    for unit, size in (("GB", 1e9), ("MB", 1e6)):
-        if count >= size:
-            return f"{count / size:.2f} {unit}"
-    return f"{count / 1e3:.1f} kB"
 
 
 def load_checkpoint(path: Path, trainer: Trainer | None, trainer_group: dist.ProcessGroup | None) -> dict:
@@ -331,71 +295,3 @@ def checkpoint_bytes(shapes: dict[str, tuple[int, ...]]) -> int:
     return sum(math.prod(shape) for shape in shapes.values()) * 4 * 3
 
 
-def export_bytes(shapes: dict[str, tuple[int, ...]]) -> int:
-    """About how many bytes one HF export (`export_hf`: fp32 weights) of these parameter shapes takes."""
-    return sum(math.prod(shape) for shape in shapes.values()) * 4
-
-
-def export_hf(
-    trainer: Trainer,
-    args: ModelArgs,
-    tokenizer_save: Callable[[Path], None] | None,
-    path: Path,
-    is_writer: bool,
-    needed_bytes: int = 0,
-) -> None:
-    """Write the fp32 policy as an HF folder (safetensors, config.json and, when given, the tokenizer
-    files via `tokenizer_save(folder)`). With LoRA: the merged model, and the adapters in PEFT's
-    format in its adapter/ folder. Collective over the trainer ranks; written whole, then renamed.
-    A write that fails (out of space: about `needed_bytes` are needed) removes its temporary folder and
-    raises CheckpointSaveError on the writer; the other trainer ranks then lose their peer."""
-    weights = ((name, tensor) for name, _, tensor in trainer.full_weights(torch.float32))
-    adapters: dict[str, torch.Tensor] = {}
-    if trainer.lora is not None:
-        weights = merge_adapters(_keep_adapters(weights, adapters), trainer.lora, args.n_layers)
-    if not is_writer:
-        for _ in weights:
-            pass
-        return
-    tmp = path.with_name(f".tmp-{path.name}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        save_hf(args, weights, tmp)
-        if trainer.lora is not None:
-            save_peft_adapter(args, trainer.lora, adapters, tmp / "adapter")
-        if tokenizer_save is not None:
-            tokenizer_save(tmp)
-    except Exception as error:  # safetensors reports a full disk as its own SafetensorError
-        shutil.rmtree(tmp, ignore_errors=True)
-        failed = _export_failed(path, error, needed_bytes)
-        if failed is None:
-            raise
-        raise failed from error
-    if path.exists():
-        shutil.rmtree(path)
-    tmp.rename(path)
-
-
-def _keep_adapters(
-    named: Iterator[tuple[str, torch.Tensor]], into: dict[str, torch.Tensor]
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Pass `named` through, keeping a reference to each adapter in `into` on the way."""
-    for name, tensor in named:
-        if is_adapter(name):
-            into[name] = tensor
-        yield name, tensor
-
-
-def _export_failed(path: Path, error: BaseException, needed_bytes: int) -> CheckpointSaveError | None:
-    """The one line for an HF export whose write failed; None for an error that is not about the
-    disk (a bug keeps its traceback)."""
-    free = shutil.disk_usage(path.parent if path.parent.exists() else path.parent.parent).free
-    if _no_space(error) or free < needed_bytes:
-        return CheckpointSaveError(
-            f"out of disk space exporting the policy to {path}: it needs about {describe_bytes(needed_bytes)} and "
-            f"{describe_bytes(free)} are free; the checkpoints are as they were (free some space, then run the same "
-            "command to resume)"
-        )
-    if not any(isinstance(c, OSError) for c in _causes(error)):
-        return None
-    return CheckpointSaveError(f"could not export the policy to {path}: {one_line(error)}")
