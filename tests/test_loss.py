@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from grpo.rollout.episode import ADVANTAGE_STD_EPS, compute_advantages
+from grpo.rollout.advantages import ADVANTAGE_STD_EPS, compute_advantages
 from grpo.train.loss import SurrogateTerms, _surrogate
 
 # ------------------------------------------------------------------------------------ group advantages

@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from grpo.rollout.episode import (
+from grpo.rollout.advantages import (
     compute_advantages,
     overlong_penalty,
     zero_variance_groups,

@@ -39,13 +39,9 @@ from grpo.errors import TandemError
 from grpo.observe.episodes import episode_metrics, episode_samples
 from grpo.observe.flops import batch_mfu, peak_flops
 from grpo.observe.metrics import reduce_across
+from grpo.rollout.advantages import training_advantages
 from grpo.rollout.conversation import generate_conversations
-from grpo.rollout.episode import (
-    EpisodeBatch,
-    compute_advantages,
-    overlong_penalty,
-    zero_variance_groups,
-)
+from grpo.rollout.episode import EpisodeBatch
 from grpo.rollout.generate import generate_episodes
 from grpo.rollout.transport import exchange_episodes
 from grpo.run.weights import WeightPush
@@ -350,26 +346,8 @@ class Run:
             raise RunAborted()
 
     def advantages(self, episodes: EpisodeBatch) -> tuple[EpisodeBatch, int]:
-        """Overlong penalty, advantages and the zero-variance filter on a trainer's episodes.
-        Returns the episodes to train on and the number of groups dropped here."""
-        g, G = self.cfg.grpo, self.cfg.grpo.group_size
-        if g.overlong_buffer:
-            penalty = overlong_penalty(
-                episodes.completion_lens, self.cfg.generation.max_new_tokens, g.overlong_buffer, g.overlong_penalty
-            )
-            episodes.rewards = episodes.rewards + penalty
-        batch_std = None
-        if g.scale_rewards == "batch":
-            r = episodes.rewards.double()
-            s = all_reduce({"n": float(len(r)), "sum": float(r.sum()), "sq": float((r * r).sum())}, self.trainer_group)
-            mean = s["sum"] / max(s["n"], 1.0)
-            batch_std = math.sqrt(max(s["sq"] - s["n"] * mean * mean, 0.0) / max(s["n"] - 1, 1.0))
-        episodes.advantages = compute_advantages(episodes.rewards, G, g.baseline, g.scale_rewards, batch_std)
-        if not g.filter_zero_variance:
-            return episodes, 0
-        flat = zero_variance_groups(episodes.rewards, G)
-        keep = (~flat).repeat_interleave(G).nonzero().flatten()
-        return episodes.select(keep), int(flat.sum())
+        """The episodes to train on, with advantages, and the groups dropped here (advantages.py)."""
+        return training_advantages(episodes, self.cfg.grpo, self.cfg.generation.max_new_tokens, self.trainer_group)
 
     def step_metrics(
         self, step: int, episodes: EpisodeBatch, reward_sums: dict[str, float], train_metrics: dict[str, float],
