@@ -142,18 +142,16 @@ def prompt_units(batch: EpisodeBatch) -> list[list[int]]:
     # Each episode against the first episode of its prompt index and prompt length, in one comparison
     # (hashing every prompt's tokens on the host cost milliseconds); only a mismatch is hashed.
     firsts: dict[tuple[int, int], int] = {}
-    candidate = torch.tensor([firsts.setdefault((index, length), i) for i, (index, length) in enumerate(zip(indices, lens))],
-                             dtype=torch.long)
-    width = max(lens, default=0)
-    prompts = batch.tokens[:, :width]
-    beyond = torch.arange(width)[None, :] >= batch.prompt_lens[:, None]
+    candidate = [firsts.setdefault((index, length), i) for i, (index, length) in enumerate(zip(indices, lens))]
+    prompts = batch.tokens.cpu()[:, : max(lens, default=0)]
+    beyond = torch.arange(prompts.shape[1])[None, :] >= batch.prompt_lens.cpu()[:, None]
     matches = ((prompts == prompts[candidate]) | beyond).all(dim=1).tolist()
     units: dict[tuple, list[int]] = {}
     for i, (index, length) in enumerate(zip(indices, lens)):
         if length < 2:
             key: tuple = ("alone", i)
         elif matches[i]:
-            key = ("first", int(candidate[i]))
+            key = ("first", candidate[i])
         else:
             key = ("prompt", index, tuple(batch.tokens[i, :length].tolist()))
         units.setdefault(key, []).append(i)
