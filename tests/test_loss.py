@@ -1,4 +1,4 @@
-"""GRPO loss family (grpo/train/loss.py) and group advantages (grpo/rollout/episode.py) against hand-derived numbers
+"""GRPO loss family (grpo/train/loss.py) and group advantages (grpo/rollout/advantages.py) against hand-derived numbers
 and explicit per-token loops in plain Python floats."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The loss family (grpo/train/loss.py policy_loss) and the advantage options (grpo/rollout/episode.py) against
+"""The loss family (grpo/train/loss.py policy_loss) and the advantage options (grpo/rollout/advantages.py) against
 explicit formulas: Python loops over sequences and tokens built from scalar torch ops, so autograd
 on the loop gives the formula's gradient, plus hand numbers."""
 
