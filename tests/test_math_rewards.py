@@ -1,5 +1,6 @@
 """The math-task built-in rewards: math_accuracy, format_reward, length_penalty."""
 
+import importlib.util
 import math
 import re
 import subprocess
@@ -200,3 +201,20 @@ def test_score_chunk_with_math_builtins():
 def test_rewards_module_does_not_import_math_verify():
     code = "import sys, rewards; assert 'math_verify' not in sys.modules and 'sympy' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=str(__import__("pathlib").Path(__file__).parents[1]))
+
+
+def test_a_missing_math_verify_is_an_error_not_a_wrong_answer(monkeypatch):
+    """Without math-verify, an answer only it can judge raises ImportError (the scorer reports it
+    as the function's failure), and a run naming math_accuracy stops at its config check."""
+    from grpo.config import ConfigError, load_config
+
+    monkeypatch.setitem(sys.modules, "math_verify", None)  # `import math_verify` now raises ImportError
+    assert math_accuracy("", "#### 72", "#### 72", {}) == 1.0  # equal strings need no math_verify
+    with pytest.raises(ImportError):
+        math_accuracy("", r"\boxed{\sqrt{4}}", "#### 2", {})
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "math_verify" else real(name, *a))
+    with pytest.raises(ConfigError, match=r"^rewards.functions names math_accuracy, which needs the math-verify "
+                                          r"package \(a dependency of tandem\): pip install math-verify$"):
+        load_config(['--rewards.functions=["math_accuracy"]'], world_size=2)
+    load_config(['--rewards.functions=["digit_match"]'], world_size=2)  # other functions do not need it

@@ -173,7 +173,7 @@ def _check_grpo(cfg: Config) -> None:
 
 
 def _check_rewards(cfg: Config) -> None:
-    """[rewards]: at least one function, one weight each, a timeout."""
+    """[rewards]: at least one function, one weight each, a timeout, the packages the built-ins import."""
     r = cfg.rewards
     require(len(r.functions) >= 1, "rewards.functions", r.functions, "must name at least one reward function")
     require(
@@ -184,6 +184,10 @@ def _check_rewards(cfg: Config) -> None:
     )
     require(r.timeout_s > 0, "rewards.timeout_s", r.timeout_s, "must be > 0")
     require(r.num_workers >= 0, "rewards.num_workers", r.num_workers, "must be >= 0")
+    # math_accuracy imports math_verify on its first call, in a worker: found missing here, before any work.
+    if "math_accuracy" in r.functions and importlib.util.find_spec("math_verify") is None:
+        raise ConfigError("rewards.functions names math_accuracy, which needs the math-verify package "
+                          "(a dependency of tandem): pip install math-verify")
 
 
 def _check_env(cfg: Config) -> None:
