@@ -107,30 +107,30 @@ def _gather_runs(
     per field; a run of doc id -1 (a shared prompt) carries no loss."""
     lens = end - first
     total = int(lens.sum())
-    # Per-run values spread over their tokens with repeat_interleave (faster than indexing by run).
-    episode = episodes.repeat_interleave(lens, output_size=total)
+
+    def spread(per_run: torch.Tensor) -> torch.Tensor:
+        """A value per run [R] repeated over the run's tokens [total] (faster than indexing by run)."""
+        return per_run.repeat_interleave(lens, output_size=total)
+
     column = concat_ranges(first, lens)
-    doc = doc_ids.repeat_interleave(lens, output_size=total)
     carries = doc_ids >= 0
     keeps = carries & ~batch.truncated.cpu()[episodes] if mask_truncated else carries
     # Flat offsets into the [N, L] per-token fields: index_select on a flat view is several times
     # faster than indexing rows and columns.
-    at = episode * batch.tokens.shape[1] + column
+    at = spread(episodes) * batch.tokens.shape[1] + column
 
     def gathered(field: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         return field.cpu().reshape(-1).index_select(0, offsets)
 
-    per_token = {"advantages": batch.advantages.cpu().to(torch.float32)[episodes] * carries, "keeps": keeps}
-    spread = {name: value.repeat_interleave(lens, output_size=total) for name, value in per_token.items()}
     return PackedRows(
         tokens=gathered(batch.tokens, at)[None],
         positions=column[None],
-        doc_ids=doc[None],
+        doc_ids=spread(doc_ids)[None],
         targets=gathered(batch.tokens, at + 1)[None],
-        loss_mask=(gathered(batch.loss_mask, at + 1) & spread["keeps"]).to(torch.float32)[None],
-        advantages=spread["advantages"][None],
+        loss_mask=(gathered(batch.loss_mask, at + 1) & spread(keeps)).to(torch.float32)[None],
+        advantages=spread(batch.advantages.cpu().to(torch.float32)[episodes] * carries)[None],
         gen_logprobs=gathered(batch.gen_logprobs, at + 1).to(torch.float32)[None],
-        group_ids=None if group_ids is None else group_ids.repeat_interleave(lens, output_size=total)[None],
+        group_ids=None if group_ids is None else spread(group_ids)[None],
     )
 
 
@@ -153,7 +153,7 @@ def prompt_units(batch: EpisodeBatch) -> list[list[int]]:
         elif matches[i]:
             key = ("first", candidate[i])
         else:
-            key = ("prompt", index, tuple(batch.tokens[i, :length].tolist()))
+            key = ("prompt", index, tuple(prompts[i, :length].tolist()))
         units.setdefault(key, []).append(i)
     return list(units.values())
 
