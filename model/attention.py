@@ -216,11 +216,15 @@ def _with_shared_prefixes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lay
     """packed_attention's flat q [N, H, D], k/v [N, Hkv, D] where sequences also attend to a shared
     prefix: each sequence's keys (its prefix's, then its own) gathered into one packed key axis, so
     the prefix is computed once and attended by every sequence of its group. On CUDA one flash
-    call; the gather's backward adds each sequence's share of the prefix keys' gradient."""
+    call; the gather's backward adds each sequence's share of the prefix keys' gradient.
+
+    The gather is index_select, whose backward is an index_add rather than advanced indexing's
+    accumulating index_put (which sorts the indices first): 5× faster on a CPU at a realistic
+    micro-batch's size (bench/RESULTS.md), and deterministic under torch.use_deterministic_algorithms."""
     shared = layout.shared
     if _packed_kernel["name"] != "flash" and uses_flash(q):
         raise ValueError('shared prompt prefixes need model.train_attention = "flash"')
-    k, v = k[shared.key_index], v[shared.key_index]
+    k, v = k.index_select(0, shared.key_index), v.index_select(0, shared.key_index)
     if uses_flash(q):
         return _FlashVarlen.apply(q, k, v, layout.cu_seqlens, shared.cu_k, layout.max_len, shared.max_k)
     # Each sequence's queries are the last tokens of its key sequence: suffix_prefill's reference path.
