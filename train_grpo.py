@@ -29,6 +29,7 @@ from grpo.distributed.roles import build_roles
 from grpo.errors import TandemError
 from grpo.run.loop import run_loop
 from grpo.run.rank import Run, RunAborted
+from grpo.scoring.pool import auto_pool_size
 from grpo.scoring.scorer import Scorer
 from grpo.train.checkpoint_folders import find_resume
 from model import batch_invariant
@@ -122,7 +123,10 @@ def run(cfg: Config, stop: GracefulStop) -> None:
             scorer = None
             if roles.is_trainer:
                 r = cfg.rewards
-                scorer = Scorer(r.functions, r.weights, r.timeout_s, r.num_workers, on_error=r.on_error)
+                workers = auto_pool_size() if r.num_workers == -1 else r.num_workers
+                if r.num_workers == -1 and is_leader:
+                    print(f"rewards: {workers} reward worker(s) per scoring rank (rewards.num_workers = -1)", flush=True)
+                scorer = Scorer(r.functions, r.weights, r.timeout_s, workers, on_error=r.on_error)
             job = None
             try:
                 job = Run(cfg, device, roles, scorer, resume)

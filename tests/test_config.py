@@ -170,7 +170,7 @@ def test_weights_functions_length_mismatch():
         ("--data.digits_min=6", "data.digits_min"),
         ("--rewards.functions=[]", "rewards.functions"),
         ("--rewards.timeout_s=0", "rewards.timeout_s"),
-        ("--rewards.num_workers=-1", "rewards.num_workers"),
+        ("--rewards.num_workers=-2", "rewards.num_workers"),
         ("--optimizer.lr=0", "optimizer.lr"),
         ("--optimizer.betas=[0.9]", "optimizer.betas"),
         ("--optimizer.betas=[0.9, 1.0]", "optimizer.betas"),

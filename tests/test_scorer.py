@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from grpo.scoring.calls import load_reward
+from grpo.scoring.pool import auto_pool_size
 from grpo.scoring.scorer import Scorer
 from rewards import RewardError, digit_match
 
@@ -199,3 +200,26 @@ def test_bad_spec_fails_at_construction(spec, message):
         load_reward(spec)
     with pytest.raises(RewardError, match=f"^{re.escape(message)}$"):
         Scorer(["digit_match", spec], [1.0, 1.0], timeout_s=1.0, num_workers=1)
+
+
+@pytest.mark.parametrize(
+    "cores, local_ranks, expected",
+    [
+        (2, 1, 1),  # a 2-core machine: one worker, as before the automatic size
+        (1, 4, 1),  # fewer cores than ranks: still one
+        (16, 1, 8),  # one GPU's host: half of 16 cores
+        (16, 4, 2),  # 4 ranks share 16 cores: 4 each, half of them
+        (128, 8, 8),  # 16 cores per rank, capped at 8
+        (256, 2, 8),
+    ],
+)
+def test_the_automatic_pool_size_is_half_a_ranks_share_of_the_cores(cores, local_ranks, expected):
+    assert auto_pool_size(cores, local_ranks) == expected
+
+
+def test_the_automatic_pool_size_reads_the_cores_and_torchruns_local_ranks(monkeypatch):
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert auto_pool_size() == max(1, min(8, cores // 2))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(cores + 1))
+    assert auto_pool_size() == 1

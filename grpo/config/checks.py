@@ -183,7 +183,7 @@ def _check_rewards(cfg: Config) -> None:
         f"has {len(r.weights)} values but rewards.functions has {len(r.functions)}; give one weight per function",
     )
     require(r.timeout_s > 0, "rewards.timeout_s", r.timeout_s, "must be > 0")
-    require(r.num_workers >= 0, "rewards.num_workers", r.num_workers, "must be >= 0")
+    require(r.num_workers >= -1, "rewards.num_workers", r.num_workers, "must be >= 0, or -1 (sized from the host's cores)")
     # math_accuracy imports math_verify on its first call, in a worker: found missing here, before any work.
     if "math_accuracy" in r.functions and importlib.util.find_spec("math_verify") is None:
         raise ConfigError("rewards.functions names math_accuracy, which needs the math-verify package "

@@ -213,8 +213,8 @@ class RewardsConfig:
     weights: list[float] = field(default_factory=lambda: [1.0])
     # per call; a reward call past this stops the run with an error naming the function
     timeout_s: float = 10.0
-    # reward process pool size
-    num_workers: int = 1
+    # reward processes per scoring rank; 0: in process, no timeout; -1: half this rank's share of the host's cores, 1 to 8
+    num_workers: int = -1
     # a reward call that raises, hangs or returns a non-number: "stop" the run | "zero" (score 0, warn, go on)
     on_error: OnRewardError = "stop"
     # colocated ranks, sync schedule, one-turn episodes, num_workers >= 1: score each engine check's finished episodes
