@@ -217,7 +217,7 @@ class RewardsConfig:
     num_workers: int = -1
     # a reward call that raises, hangs or returns a non-number: "stop" the run | "zero" (score 0, warn, go on)
     on_error: OnRewardError = "stop"
-    # colocated ranks, sync schedule, one-turn episodes, num_workers >= 1: score each engine check's finished episodes
+    # colocated ranks, sync schedule, one-turn episodes, num_workers != 0: score each engine check's finished episodes
     # while the rest decode (same rewards; off by default: on one H200 it slowed generation more than it saved)
     overlap: bool = False
     # the regex format_reward checks the whole completion against ("" = <think>...</think> <answer>...</answer>)
