@@ -3,13 +3,16 @@
 Each phase of the chosen step (generate, score, train, weight_sync) runs under its own profiler, so
 each gets its own kernel table: <job.output_dir>/profile/step<N>_rank<R>_<phase>.txt, headed by
 the phase's wall time and the device's busy time in it (busy well below wall: the host sets the
-pace), and a gzipped Chrome trace of the same events next to it (.json.gz, for Perfetto or
+pace) and, on CUDA, the longest gaps between kernels with the host operation that ended each
+(grpo/observe/gaps.py), and a gzipped Chrome trace of the same events next to it (.json.gz, for Perfetto or
 chrome://tracing; a generation phase holds about 10^5 kernels).
 """
 
 from __future__ import annotations
 
 import contextlib
+import gzip
+import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +20,8 @@ from pathlib import Path
 import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
+
+from grpo.observe.gaps import describe, device_idle
 
 # Kernel-table rows written per phase: enough to cover every kernel of a decoder block and the head.
 TABLE_ROWS = 60
@@ -61,5 +66,9 @@ def write_report(prof: profile, stem: Path, name: str, wall: float, on_cuda: boo
         header = f"{name}: wall {wall * 1e3:.1f} ms (CPU: host ops only)\n"
         sort_by = "self_cpu_time_total"
     table = averages.table(sort_by=sort_by, row_limit=rows, max_name_column_width=90)
+    trace = stem.with_name(stem.name + ".json.gz")
+    prof.export_chrome_trace(str(trace))
+    if on_cuda:
+        with gzip.open(trace, "rt", encoding="utf-8") as f:
+            header += describe(device_idle(json.load(f)), wall * 1e3)
     stem.with_name(stem.name + ".txt").write_text(header + table, encoding="utf-8")
-    prof.export_chrome_trace(str(stem.with_name(stem.name + ".json.gz")))
