@@ -220,8 +220,8 @@ def _with_shared_prefixes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lay
 
     The gather is index_select, whose backward is an index_add rather than advanced indexing's
     accumulating index_put (which sorts the indices first): at a realistic micro-batch's size 4×
-    faster on a CPU and 1.07–1.65× on an H200 (bench/prefix_gather.py), and deterministic under
-    torch.use_deterministic_algorithms."""
+    faster on a CPU and 1.07–1.65× on an H200 (bench/prefix_gather.py, bench/RESULTS.md), and
+    deterministic under torch.use_deterministic_algorithms."""
     shared = layout.shared
     if _packed_kernel["name"] != "flash" and uses_flash(q):
         raise ValueError('shared prompt prefixes need model.train_attention = "flash"')
