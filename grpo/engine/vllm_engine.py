@@ -38,6 +38,7 @@ from contextlib import contextmanager
 
 import torch
 
+from grpo.distributed.host import local_ranks, usable_cores
 from grpo.engine.cache import kv_budget_bytes, slot_bytes
 from grpo.engine.sampling import request_keys
 from grpo.engine.types import (
@@ -93,8 +94,8 @@ def cpu_share_of_this_rank() -> str:
     when there are fewer cores than ranks). vLLM's own choice, made per engine, binds every engine
     of a host to the same cores, so the engines of colocated ranks took turns on them: the vLLM
     demo test with two colocated ranks on two cores took 272 s that way, 158 s with a core each."""
-    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
-    rank, ranks = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    cores = usable_cores()
+    rank, ranks = local_ranks()
     per_rank = max(1, len(cores) // ranks)
     first = rank * per_rank % len(cores)
     return ",".join(str(c) for c in cores[first : first + per_rank])

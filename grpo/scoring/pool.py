@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from grpo.distributed import host
 from grpo.errors import TandemError
 
 _PR_SET_PDEATHSIG = 1
@@ -40,9 +41,9 @@ def auto_pool_size(cores: int | None = None, local_ranks: int | None = None) -> 
     1 to MAX_AUTO_WORKERS. By default the cores this process may run on and torchrun's
     LOCAL_WORLD_SIZE."""
     if cores is None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        cores = len(host.usable_cores())
     if local_ranks is None:
-        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        local_ranks = host.local_ranks()[1]
     return max(1, min(MAX_AUTO_WORKERS, cores // max(local_ranks, 1) // 2))
 
 
