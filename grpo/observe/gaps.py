@@ -55,10 +55,8 @@ def device_idle(trace: dict, min_gap_us: float = 20.0, longest: int = 10) -> Dev
         if start - end >= min_gap_us:
             idle += start - end
             found.append((start - end, end, event))
-        if start >= end:
-            busy += event["dur"]
-        elif start + event["dur"] > end:
-            busy += start + event["dur"] - end
+        # Only the part past what earlier events already covered (copies overlap kernels).
+        busy += max(0.0, start + event["dur"] - max(start, end))
         end = max(end, start + event["dur"])
     found.sort(key=lambda gap: -gap[0])
     launcher = _Launchers(events)

@@ -4,8 +4,8 @@ Each phase of the chosen step (generate, score, train, weight_sync) runs under i
 each gets its own kernel table: <job.output_dir>/profile/step<N>_rank<R>_<phase>.txt, headed by
 the phase's wall time and the device's busy time in it (busy well below wall: the host sets the
 pace) and, on CUDA, the longest gaps between kernels with the host operation that ended each
-(grpo/observe/gaps.py), and a gzipped Chrome trace of the same events next to it (.json.gz, for Perfetto or
-chrome://tracing; a generation phase holds about 10^5 kernels).
+(grpo/observe/gaps.py, read back from the trace); and a gzipped Chrome trace of the same events
+next to it (.json.gz, for Perfetto or chrome://tracing; a generation phase holds about 10^5 kernels).
 """
 
 from __future__ import annotations
