@@ -6,6 +6,9 @@ a whole chunk at once: ``fn(prompts, completions, answers, metadata) -> list[flo
 entry per episode). Either kind may be ``async def``: a chunk's coroutines are awaited concurrently
 (``asyncio.gather``) inside ``asyncio.run``, so async functions must not be called from code that is
 already running an event loop (e.g. a Scorer with ``num_workers == 0`` used inside one).
+A function may also carry ``fn.warm_up``, a callable without arguments that each scorer worker runs
+once as it starts, before any episode (``math_accuracy``'s imports and exercises math_verify), so
+that the first episodes scored do not pay for a library's start-up.
 ``completion`` is the decoded model output with the EOS stripped; ``answer`` and ``metadata``
 come from the prompt source. Functions run in worker processes, so they must be importable
 module-level callables. Scorer workers import this module to run them, so at module level it
@@ -272,6 +275,20 @@ def math_accuracy(prompt: str, completion: str, answer: str, metadata: dict) -> 
     if gold is None or pred is None:
         return 0.0
     return 1.0 if answers_equivalent(gold, pred) else 0.0
+
+
+def _warm_up_math_verify() -> None:
+    """Import math_verify and run its parser and comparison on a few kinds of answers (numbers,
+    fractions, expressions, intervals, sets, roots, stray text): its first calls in a process cost
+    0.3-0.7 s more than later ones (imports, parser set-up), which a pool worker would otherwise
+    pay in the middle of a step's scoring."""
+    examples = (("\\frac{1}{2}", "0.5"), ("x + 1", "1 + x"), ("(1, 2]", "(1,2]"), ("\\{1, 2\\}", "\\{2, 1\\}"),
+                ("\\sqrt{2}", "1.41421356"), ("18", "7 apples and x"), ("18", "ab\x1cc d"))
+    for gold, pred in examples:
+        answers_equivalent(gold, pred)
+
+
+math_accuracy.warm_up = _warm_up_math_verify
 
 
 # --- format_reward -------------------------------------------------------------------------------

@@ -203,6 +203,15 @@ def test_rewards_module_does_not_import_math_verify():
     subprocess.run([sys.executable, "-c", code], check=True, cwd=str(__import__("pathlib").Path(__file__).parents[1]))
 
 
+def test_math_accuracys_warm_up_imports_math_verify():
+    """What a reward worker runs as it starts (rewards.py, grpo/scoring/calls.py warm_up): math_verify
+    is loaded and has parsed before the first episode arrives."""
+    pytest.importorskip("math_verify")
+    code = ("import sys, rewards; rewards.math_accuracy.warm_up(); "
+            "assert 'math_verify' in sys.modules and 'latex2sympy2_extended' in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=str(__import__("pathlib").Path(__file__).parents[1]))
+
+
 def test_a_missing_math_verify_is_an_error_not_a_wrong_answer(monkeypatch):
     """Without math-verify, an answer only it can judge raises ImportError (the scorer reports it
     as the function's failure), and a run naming math_accuracy stops at its config check."""

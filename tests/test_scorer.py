@@ -160,6 +160,20 @@ def test_a_sigterm_during_a_reward_call_does_not_lose_the_call(tmp_path, monkeyp
     assert torch.equal(scored.total, torch.ones(2))
 
 
+def test_each_worker_runs_the_functions_warm_up_once_before_scoring():
+    """A reward function's warm_up runs in every pool worker as it starts, before its first episode."""
+    with Scorer([f"{FIXTURES}:warmed"], [1.0], timeout_s=30.0, num_workers=2) as scorer:
+        batch = (["1", "2", "3", "4"], ["a", "b", "c", "d"], [""] * 4, [{}] * 4)
+        assert torch.equal(scorer.score(*batch).total, torch.ones(4))
+        assert torch.equal(scorer.score(*batch).total, torch.ones(4))  # not run again
+
+
+def test_a_failing_warm_up_leaves_the_function_working():
+    with Scorer([f"{FIXTURES}:cold_but_fine"], [1.0], timeout_s=30.0, num_workers=2) as scorer:
+        scored = scorer.score(["1", "2"], ["a", "b"], [""] * 2, [{}] * 2)
+    assert torch.equal(scored.total, torch.ones(2)) and scored.errors == {"cold_but_fine": 0}
+
+
 def test_a_worker_that_dies_fails_its_chunk_at_once_and_the_next_call_works():
     with Scorer([f"{FIXTURES}:die_on_die"], [1.0], timeout_s=60.0, num_workers=2) as scorer:
         start = time.monotonic()

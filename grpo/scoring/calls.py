@@ -106,6 +106,19 @@ def clip(text: str, limit: int) -> str:
 _load_cached = functools.cache(load_reward)
 
 
+def warm_up(specs: tuple[str, ...]) -> None:
+    """Load each reward function and run its ``warm_up`` (rewards.py), if it has one: what a pool
+    worker does once as it starts. A warm-up that fails leaves its function cold, not broken: the
+    first real call meets the same problem and reports it, naming the episode."""
+    for spec in specs:
+        try:
+            hook = getattr(_load_cached(spec), "warm_up", None)
+            if callable(hook):
+                hook()
+        except Exception:
+            continue
+
+
 @dataclass
 class _Chunk:
     """Episodes ``start, start + 1, ...`` as four columns: prompts, completions, answers, metadata."""

@@ -29,7 +29,7 @@ from grpo.errors import TandemError
 
 _PR_SET_PDEATHSIG = 1
 _READY = "ready"
-START_TIMEOUT_S = 300.0  # a worker's start-up: spawn, imports, the reward module
+START_TIMEOUT_S = 300.0  # a worker's start-up: spawn, imports, the reward module, its `prepare`
 
 
 MAX_AUTO_WORKERS = 8  # math_accuracy's 512 episodes: 520 ms with 1 worker, 91 ms with 8 (bench/RESULTS.md)
@@ -65,12 +65,14 @@ class Outcome:
 class WorkerPool:
     """`size` spawned worker processes that run `fn(*args)` tasks, one at a time each."""
 
-    def __init__(self, size: int):
+    def __init__(self, size: int, prepare: Callable[[], None] | None = None):
+        """prepare: run once in each worker as it starts, before it reports ready (a picklable
+        module-level callable, or a functools.partial of one)."""
         context = multiprocessing.get_context("spawn")  # forking a process with CUDA state is unsafe
         self._procs, self._conns = [], []
         for _ in range(size):
             ours, theirs = context.Pipe()
-            proc = context.Process(target=_serve, args=(theirs, os.getpid()), name="reward-worker")
+            proc = context.Process(target=_serve, args=(theirs, os.getpid(), prepare), name="reward-worker")
             proc.start()
             theirs.close()  # so that the worker's death reads as the end of `ours`
             self._procs.append(proc)
@@ -198,8 +200,9 @@ def _exit_status(proc) -> str:
     return f"exit code {code}"
 
 
-def _serve(conn, parent_pid: int) -> None:
-    """A worker's life: run tasks from `conn` until the end-of-work message or the pipe's end.
+def _serve(conn, parent_pid: int, prepare: Callable[[], None] | None = None) -> None:
+    """A worker's life: `prepare()`, then run tasks from `conn` until the end-of-work message or the
+    pipe's end.
 
     SIGINT and SIGTERM are ignored: Ctrl-C and Slurm's SIGTERM are for the rank, which finishes its
     step (this worker's running call included), saves and closes the pool. On Linux the worker dies
@@ -212,6 +215,8 @@ def _serve(conn, parent_pid: int) -> None:
         # The parent may have died before the request above took effect.
         if os.getppid() != parent_pid:
             os._exit(1)
+    if prepare is not None:
+        prepare()
     conn.send(_READY)
     while True:
         try:

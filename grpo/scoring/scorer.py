@@ -1,5 +1,6 @@
 """Turn episodes into rewards: reward functions run in a CPU process pool with a timeout."""
 
+import functools
 import math
 import sys
 import typing
@@ -11,7 +12,7 @@ import torch
 from grpo.config.sections import OnRewardError
 from grpo.data.prompt import Prompt
 from grpo.rollout.episode import EpisodeBatch
-from grpo.scoring.calls import clip, load_reward, reward_name, score_chunk
+from grpo.scoring.calls import clip, load_reward, reward_name, score_chunk, warm_up
 from grpo.scoring.pool import Outcome, PoolError, WorkerPool
 from rewards import RewardError
 
@@ -107,7 +108,8 @@ class Scorer:
             self._pool = self._new_pool()
 
     def _new_pool(self) -> WorkerPool:
-        return WorkerPool(self.num_workers)
+        # Each worker warms its reward functions up as it starts, beside the model's set-up.
+        return WorkerPool(self.num_workers, prepare=functools.partial(warm_up, tuple(self.specs)))
 
     def score(
         self, prompts: list[str], completions: list[str], answers: list[str], metadata: list[dict], warn: bool = True
