@@ -56,6 +56,7 @@ class OneRankMixedPrecision:
             self.compute = Transformer(master.args, dtype=compute_dtype)
             if structure is not None:
                 structure(self.compute)
+        self.compute.keep_rope_on(device)
         for name, param in master.named_parameters():
             if not param.requires_grad:
                 module_name, _, param_name = name.rpartition(".")

@@ -242,8 +242,11 @@ class Transformer(nn.Module):
             layer.feed_forward.fuse_projections()
 
     def keep_rope_on(self, device: torch.device) -> None:
-        """Hold the RoPE frequencies on `device`: a decode step captured in a CUDA graph may not
-        copy them from the host."""
+        """Hold the RoPE frequencies on `device`, where the model runs. Built on the host, they
+        would be copied to the device at every forward: a decode step captured in a CUDA graph may
+        not do that, and in training the pageable copy makes the host wait for all the work queued
+        before it (the previous micro-batch's backward), so each forward starts without the lead
+        the host had gained."""
         self._inv_freq = self._inv_freq.to(device)
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -37,6 +37,7 @@ def parallelize(
     """
     # A frozen fp32 model (the KL reference) is cast by the all-gather, as masters are.
     check_master_dtypes(model, (compute_dtype, torch.float32))
+    model.keep_rope_on(next(model.parameters()).device)
     mp_policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     if compile:
         compile_blocks(model)

@@ -226,6 +226,37 @@ def test_trainer_step_compiled_with_checkpointing_matches_eager(one_rank_group):
     assert (torch.sign(weights[1] - initial) == torch.sign(weights[0] - initial)).float().mean() > 0.9
 
 
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_training_passes_never_make_the_host_wait_for_the_device(one_rank_group, compile):
+    """A micro-batch's forward and backward, and the KL reference's no-grad forward, only queue work:
+    no host-device sync (torch.cuda's sync debug mode raises on one), so the host keeps the lead
+    that a device-bound backward gives it into the next micro-batch. A copy of the RoPE frequencies
+    from the host at every forward used to wait for the previous micro-batch's backward."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.manual_seed(2)
+    model = Transformer(ARGS, dtype=torch.float32, device=DEVICE)
+    model.init_weights(std=0.05)
+    reference = Transformer(ARGS, dtype=torch.float32, device=DEVICE)
+    reference.load_state_dict(model.state_dict())
+    trainer = Trainer(model, init_device_mesh("cuda", (1,)), DEVICE, torch.bfloat16,
+                      GRPOConfig(group_size=4, kl_coef=0.1), OptimizerConfig(lr=1e-4, warmup_steps=0), total_steps=10,
+                      micro_batch_tokens=4096, temperature=1.0, max_new_tokens=120, compile=compile,
+                      reference=reference)
+    rows = pack_episodes(_episodes(16, seed=5))
+    # The first pass compiles and sets up the kernels' libraries; the second is the checked one.
+    for mode in ("default", "error"):
+        torch.cuda.set_sync_debug_mode(mode)
+        try:
+            with torch.no_grad():
+                reference_out = trainer._forward(rows, trainer.reference)
+            out = trainer._forward(rows)
+            out.logprobs.sum().backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(out.logprobs).all() and torch.isfinite(reference_out.logprobs).all()
+
 def test_triton_head_kernels_match_the_torch_reference():
     from model.head_kernel import chunk_grad_triton, chunk_stats_triton
     from model.logprob_head import chunk_grad, chunk_stats

@@ -113,6 +113,7 @@ class Trainer:
             if reference is not None:
                 # Frozen: its compute-dtype cast is all FSDP2 would have made of it on one rank.
                 self.reference = reference.requires_grad_(False).to(compute_dtype).eval()
+                self.reference.keep_rope_on(device)
         else:
             self.model = self.policy = parallelize(model, mesh, compute_dtype, activation_checkpointing, compile)
             if reference is not None:
