@@ -1,6 +1,7 @@
-"""Run configuration: the sections (sections.py), TOML files and `--section.key=value` overrides
-in and out (io.py), and validation (checks.py), which finds every impossible setting, the rank
-layout included, before any process group exists. Importing this package loads no torch.
+"""Run configuration: the sections (sections.py) and their keys (keys.py), TOML files and
+`--section.key=value` overrides in and out (io.py), and validation (checks.py), which finds every
+impossible setting, the rank layout included, before any process group exists. Importing this
+package loads no torch.
 
 `load_config` is the one entry point: a bad setting fails on every rank with the same one-line
 `ConfigError` before any collective is issued.
@@ -11,9 +12,8 @@ import sys
 
 from grpo.config.checks import validate_config
 from grpo.config.io import _build_section, _parse_argv, _parse_cli_value, _read_toml, config_to_toml, write_resolved_config
+from grpo.config.keys import SECTIONS, TYPES
 from grpo.config.sections import (
-    _SECTIONS,
-    _TYPES,
     ASYNC_TIS_CAP,
     AUTO_TIS_CAP,
     DEFAULT_CONFIG_PATH,
@@ -54,7 +54,7 @@ def load_config(argv: list[str] | None = None, world_size: int | None = None) ->
     config_path, overrides = _parse_argv(argv)
     raw = _read_toml(config_path)
     for section, key, text in overrides:
-        raw.setdefault(section, {})[key] = _parse_cli_value(text, _TYPES[section][key])
-    cfg = Config(**{section: _build_section(section, raw.get(section, {})) for section in _SECTIONS})
+        raw.setdefault(section, {})[key] = _parse_cli_value(text, TYPES[section][key])
+    cfg = Config(**{section: _build_section(section, raw.get(section, {})) for section in SECTIONS})
     validate_config(cfg, world_size)
     return cfg

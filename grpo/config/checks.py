@@ -7,10 +7,11 @@ import importlib.util
 from pathlib import Path
 
 from grpo.config.io import _did_you_mean, _toml_value
+from grpo.config.keys import CHOICES
 from grpo.config.launch_checks import check_bitwise, check_parallelism, check_train_attention, check_vllm
 from grpo.config.lora_checks import check_lora
 from grpo.config.require import require
-from grpo.config.sections import _CHOICES, AUTO_TIS_CAP, Config, ConfigError
+from grpo.config.sections import AUTO_TIS_CAP, Config, ConfigError
 from grpo.data.gym import check_gym_config, is_gym_path
 from grpo.envs import BUILTIN_ENVIRONMENTS
 
@@ -40,7 +41,7 @@ def validate_config(cfg: Config, world_size: int) -> None:
 
 def _check_choices(cfg: Config) -> None:
     """Settings that take one of a few words (their Literal types)."""
-    for key, allowed in _CHOICES.items():
+    for key, allowed in CHOICES.items():
         section, name = key.split(".")
         value = getattr(getattr(cfg, section), name)
         if value not in allowed:

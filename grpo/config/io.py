@@ -10,7 +10,8 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from grpo.config.sections import _ALL_KEYS, _SECTIONS, _TYPES, DEFAULT_CONFIG_PATH, Config, ConfigError
+from grpo.config.keys import ALL_KEYS, SECTIONS, TYPES
+from grpo.config.sections import DEFAULT_CONFIG_PATH, Config, ConfigError
 
 
 def _parse_argv(argv: list[str]) -> tuple[Path, list[tuple[str, str, str]]]:
@@ -25,7 +26,7 @@ def _parse_argv(argv: list[str]) -> tuple[Path, list[tuple[str, str, str]]]:
         section, dot, key = name.partition(".")
         if name != "config":
             if not dot or not section or not key:
-                match = difflib.get_close_matches(name, _ALL_KEYS, n=1)
+                match = difflib.get_close_matches(name, ALL_KEYS, n=1)
                 hint = f" (did you mean '--{match[0]}'?)" if match else ""
                 raise ConfigError(f"'--{name}' is not a config key; overrides look like --section.key=value{hint}")
             _check_key(section, key)
@@ -53,20 +54,20 @@ def _read_toml(path: Path) -> dict[str, dict[str, Any]]:
         raise ConfigError(f"cannot parse config file {path}: {e}") from None
     for section, table in raw.items():
         if not isinstance(table, dict):
-            if section in _SECTIONS:
+            if section in SECTIONS:
                 raise ConfigError(f"config section '{section}' in {path} must be a table ([{section}])")
-            raise ConfigError(f"unknown config key '{section}'{_did_you_mean(section, _ALL_KEYS)}")
+            raise ConfigError(f"unknown config key '{section}'{_did_you_mean(section, ALL_KEYS)}")
         for key in table:
             _check_key(section, key)
     return raw
 
 
 def _check_key(section: str, key: str) -> None:
-    if section not in _SECTIONS:
-        raise ConfigError(f"unknown config section '{section}'{_did_you_mean(section, list(_SECTIONS))}")
-    if key not in _TYPES[section]:
+    if section not in SECTIONS:
+        raise ConfigError(f"unknown config section '{section}'{_did_you_mean(section, list(SECTIONS))}")
+    if key not in TYPES[section]:
         full = f"{section}.{key}"
-        hint = _did_you_mean(full, _ALL_KEYS) or f" ([{section}] has: {', '.join(_TYPES[section])})"
+        hint = _did_you_mean(full, ALL_KEYS) or f" ([{section}] has: {', '.join(TYPES[section])})"
         raise ConfigError(f"unknown config key '{full}'{hint}")
 
 
@@ -89,8 +90,8 @@ def _parse_cli_value(text: str, typ: Any) -> Any:
 
 
 def _build_section(section: str, values: dict[str, Any]) -> Any:
-    types = _TYPES[section]
-    return _SECTIONS[section](**{key: _coerce(f"{section}.{key}", v, types[key]) for key, v in values.items()})
+    types = TYPES[section]
+    return SECTIONS[section](**{key: _coerce(f"{section}.{key}", v, types[key]) for key, v in values.items()})
 
 
 def _coerce(key: str, value: Any, typ: Any) -> Any:

@@ -1,12 +1,10 @@
 """The run's settings as dataclasses, one per config.toml section; their defaults are the single
 source of truth (config.toml mirrors them with a comment per key). Settings that take one of a
-few words are `Literal` types, and `_CHOICES` is read off them."""
+few words are `Literal` types (keys.py reads their words off them)."""
 
-import dataclasses
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from grpo.errors import TandemError
 
@@ -406,23 +404,6 @@ class Config:
             self.grpo.tis_cap = ASYNC_TIS_CAP if self.training.schedule == "async" else 0.0
 
 
-# section name -> section dataclass, in file order
-_SECTIONS: dict[str, type] = {f.name: f.type for f in dataclasses.fields(Config)}
-# section name -> {key: type}
-_TYPES: dict[str, dict[str, Any]] = {
-    name: {f.name: f.type for f in dataclasses.fields(cls)} for name, cls in _SECTIONS.items()
-}
-_ALL_KEYS = [f"{section}.{key}" for section, keys in _TYPES.items() for key in keys]
-
 # grpo.tis_cap = AUTO_TIS_CAP resolves to ASYNC_TIS_CAP with training.schedule = "async", else to 0 (off)
 AUTO_TIS_CAP = -1.0
 ASYNC_TIS_CAP = 2.0
-
-# "section.key" -> its allowed values, read off the Literal annotations above
-_CHOICES: dict[str, tuple[str, ...]] = {
-    f"{section}.{key}": typing.get_args(typ)
-    for section, keys in _TYPES.items()
-    for key, typ in keys.items()
-    if typing.get_origin(typ) is Literal
-}
-
