@@ -221,6 +221,24 @@ def test_checks_read_while_the_next_steps_run_give_the_same_completions():
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
 
 
+
+def test_a_group_moving_its_reader_does_not_wait_for_the_queued_steps():
+    """When a group's reader slot leaves at a check, the rest of the group is pointed at another
+    slot while the next decode steps are already queued: the tables are written behind them, with
+    no host-device sync (torch.cuda's sync debug mode raises on one), and hold the moved values."""
+    from grpo.engine.cache import SlotCache
+    from grpo.engine.shares import PrefixShares
+
+    cache = SlotCache(ARGS, num_slots=8, max_len=16, dtype=torch.bfloat16, device=torch.device(DEVICE))
+    shares = PrefixShares(cache)
+    shares.prefilled([5, 2, 7, 3], [[1, 2, 3], [1, 2, 3], [4, 5], [1, 2, 3]], shared=True)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        shares.leave([2, 7])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert cache.share_slot[[3, 5]].tolist() == [3, 3] and cache.share_len[[3, 5]].tolist() == [3, 3]
+
 def test_kv_budget_bounds_the_slots_and_the_batch():
     model = reference_model(torch.bfloat16)
     per_slot = 2 * ARGS.n_layers * ARGS.n_kv_heads * ARGS.head_dim * 2 * 64

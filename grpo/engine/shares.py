@@ -19,6 +19,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from grpo.engine.cache import SlotCache
+from model.attention import to_device
 
 
 class PrefixShares:
@@ -77,10 +78,13 @@ class PrefixShares:
             self._write(changed, readers, None)
 
     def _write(self, slots: list[int], readers: list[int], lengths: list[int] | None) -> None:
-        """share_slot[slots] = readers (and share_len[slots] = lengths) on the device."""
+        """share_slot[slots] = readers (and share_len[slots] = lengths) on the device, queued behind
+        the work already on the stream without waiting for it: a group moves while the next decode
+        steps are queued (overlapped checks), and a copy from pageable memory would wait for them."""
         if not slots:
             return
-        index = torch.tensor(slots, device=self.cache.device)
-        self.cache.share_slot[index] = torch.tensor(readers, dtype=torch.int64, device=self.cache.device)
+        device = self.cache.device
+        index = to_device(torch.tensor(slots), device)
+        self.cache.share_slot[index] = to_device(torch.tensor(readers, dtype=torch.int64), device)
         if lengths is not None:
-            self.cache.share_len[index] = torch.tensor(lengths, dtype=torch.int32, device=self.cache.device)
+            self.cache.share_len[index] = to_device(torch.tensor(lengths, dtype=torch.int32), device)
