@@ -22,4 +22,3 @@ CHOICES: dict[str, tuple[str, ...]] = {
     for key, typ in keys.items()
     if typing.get_origin(typ) is Literal
 }
-
