@@ -226,7 +226,6 @@ def test_trainer_step_compiled_with_checkpointing_matches_eager(one_rank_group):
     assert (torch.sign(weights[1] - initial) == torch.sign(weights[0] - initial)).float().mean() > 0.9
 
 
-
 @pytest.mark.parametrize("compile", [False, True])
 def test_training_passes_never_make_the_host_wait_for_the_device(one_rank_group, compile):
     """A micro-batch's forward and backward, and the KL reference's no-grad forward, only queue work:
@@ -256,6 +255,7 @@ def test_training_passes_never_make_the_host_wait_for_the_device(one_rank_group,
         finally:
             torch.cuda.set_sync_debug_mode("default")
     assert torch.isfinite(out.logprobs).all() and torch.isfinite(reference_out.logprobs).all()
+
 
 def test_triton_head_kernels_match_the_torch_reference():
     from model.head_kernel import chunk_grad_triton, chunk_stats_triton
