@@ -221,7 +221,6 @@ def test_checks_read_while_the_next_steps_run_give_the_same_completions():
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
 
 
-
 def test_a_group_moving_its_reader_does_not_wait_for_the_queued_steps():
     """When a group's reader slot leaves at a check, the rest of the group is pointed at another
     slot while the next decode steps are already queued: the tables are written behind them, with
@@ -309,3 +308,28 @@ def test_swiglu_kernel_agrees_with_the_split_projections_in_bf16():
     split = block(x)
     block.fuse_projections()
     torch.testing.assert_close(block(x), split, atol=2e-2, rtol=2e-2)
+
+
+def test_an_admission_round_queues_its_prefill_and_first_tokens_without_a_sync():
+    """Admitting requests (prefill of the distinct prompts, each request's first token and its
+    slot's decode state) only queues work: the host copies its index tensors behind the prefill
+    without waiting for the device (torch.cuda's sync debug mode raises on a wait), and the
+    first tokens are those of a whole generate call."""
+    from grpo.engine.sampling import request_keys
+
+    model = reference_model(torch.bfloat16)
+    sampling = SamplingParams(max_new_tokens=8, temperature=1.0)
+    reqs = requests(5, samples=2)
+    whole = engine(model, sampling, compile=False, max_seq_len=64).generate(reqs)
+    admitting = engine(model, sampling, compile=False, max_seq_len=64)
+    active: dict[int, int] = {}
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        admitting._admit(reqs, request_keys(admitting.seed, reqs), sampling, list(range(len(reqs))),
+                         list(range(len(reqs))), active, {})
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert sorted(active.values()) == list(range(len(reqs)))
+    for slot, i in active.items():
+        assert int(admitting.cache.out_tokens[slot, 0]) == whole[i].tokens[0]
+        assert float(admitting.cache.out_logprobs[slot, 0]) == pytest.approx(whole[i].logprobs[0], abs=1e-5)

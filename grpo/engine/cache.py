@@ -17,7 +17,7 @@ import torch
 
 from grpo.engine.slot_step import SlotReads
 from model import ModelArgs, batch_invariant
-from model.attention import slot_decode, suffix_prefill, varlen_prefill
+from model.attention import slot_decode, suffix_prefill, to_device, varlen_prefill
 
 
 def slot_bytes(args: ModelArgs, max_len: int, dtype: torch.dtype) -> int:
@@ -151,14 +151,14 @@ class SlotCache:
         dev, L = self.device, self.max_len
         rows = torch.cat([torch.full((n,), slot) for slot, n in zip(slots, appended)])
         positions = torch.cat([torch.arange(c, c + n) for c, n in zip(cached, appended)])
-        write_target = (rows * L + positions).to(dev)
+        write_target = to_device(rows * L + positions, dev)
         if batch_invariant.enabled():
-            rows_d, lengths = rows.to(dev), (positions + 1).to(device=dev, dtype=torch.int32)
+            rows_d, lengths = to_device(rows, dev), to_device((positions + 1).to(torch.int32), dev)
         else:
             keys = [c + n for c, n in zip(cached, appended)]
-            gather = torch.cat([torch.arange(slot * L, slot * L + n) for slot, n in zip(slots, keys)]).to(dev)
-            cu_q = torch.tensor([0] + appended).cumsum(0).to(device=dev, dtype=torch.int32)
-            cu_k = torch.tensor([0] + keys).cumsum(0).to(device=dev, dtype=torch.int32)
+            gather = to_device(torch.cat([torch.arange(slot * L, slot * L + n) for slot, n in zip(slots, keys)]), dev)
+            cu_q = to_device(torch.tensor([0] + appended).cumsum(0).to(torch.int32), dev)
+            cu_k = to_device(torch.tensor([0] + keys).cumsum(0).to(torch.int32), dev)
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             k_flat, v_flat = self.flat(layer)

@@ -47,7 +47,7 @@ from grpo.engine.types import (
 )
 from grpo.engine.vmm import mapped_bytes
 from model import ModelArgs, Transformer
-from model.attention import check_decode_kernel
+from model.attention import check_decode_kernel, to_device
 from model.lora import LoRASpec
 from model.parallelize import apply_tensor_parallel, compile_blocks, tensor_parallel_args
 
@@ -395,8 +395,9 @@ class NativeEngine:
     ) -> None:
         """Draw each prefilled request's first token from its logits [R, V] and set its slot's decode state."""
         dev = self.device
-        prompt_lens = torch.tensor([len(r.prompt_tokens) for r in requests], device=dev)
-        first, logprob = self._sample(logits, keys.to(dev), prompt_lens, self._token_hash, sp)
-        budgets = torch.tensor([self._budget(r, sp) for r in requests], device=dev)
-        start_slots(self.cache, torch.tensor(slots, device=dev), first, logprob, prompt_lens, keys.to(dev), budgets,
+        prompt_lens = to_device(torch.tensor([len(r.prompt_tokens) for r in requests]), dev)
+        keys = to_device(keys, dev)
+        first, logprob = self._sample(logits, keys, prompt_lens, self._token_hash, sp)
+        budgets = to_device(torch.tensor([self._budget(r, sp) for r in requests]), dev)
+        start_slots(self.cache, to_device(torch.tensor(slots), dev), first, logprob, prompt_lens, keys, budgets,
                     self.eos_ids)

@@ -12,6 +12,7 @@ import torch
 from grpo.engine.cache import SlotCache
 from grpo.engine.types import GenerationRequest
 from model import Transformer
+from model.attention import to_device
 
 
 @torch.no_grad()
@@ -39,10 +40,11 @@ def prefill_prompts(
     source = torch.cat([starts[p] + torch.arange(lengths[p]) for p in owner])
     target = torch.cat([slot * L + torch.arange(lengths[p]) for slot, p in zip(slots, owner)])
     dev = cache.device
-    attend = cache.prefill_attention(source.to(dev), target.to(dev), cu.to(dev), int(lengths.max()))
-    tokens = torch.tensor([t for p in prompts for t in p], dtype=torch.int64, device=dev)
-    logits = model.decode(tokens, positions.to(dev), attend, logits_index=(starts + lengths - 1).to(dev))
-    return logits[torch.tensor(owner, device=dev)]
+    attend = cache.prefill_attention(to_device(source, dev), to_device(target, dev), to_device(cu, dev),
+                                     int(lengths.max()))
+    tokens = to_device(torch.tensor([t for p in prompts for t in p], dtype=torch.int64), dev)
+    logits = model.decode(tokens, to_device(positions, dev), attend, logits_index=to_device(starts + lengths - 1, dev))
+    return logits[to_device(torch.tensor(owner), dev)]
 
 
 @torch.no_grad()
@@ -60,5 +62,5 @@ def prefill_appended(
     last = torch.tensor(appended).cumsum(0) - 1
     dev = cache.device
     attend = cache.append_attention(list(slots), list(cached), appended)
-    tokens_t = torch.tensor(tokens, dtype=torch.int64, device=dev)
-    return model.decode(tokens_t, positions.to(dev), attend, logits_index=last.to(dev))
+    tokens_t = to_device(torch.tensor(tokens, dtype=torch.int64), dev)
+    return model.decode(tokens_t, to_device(positions, dev), attend, logits_index=to_device(last, dev))
