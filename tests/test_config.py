@@ -159,8 +159,7 @@ def test_weights_functions_length_mismatch():
     [
         ("--training.steps=0", "training.steps"),
         ("--data.prompts_per_step=0", "data.prompts_per_step"),
-        ("--training.micro_batch_tokens=-1", "training.micro_batch_tokens"),
-        ("--training.micro_batch_tokens=100", "training.micro_batch_tokens"),
+        ("--training.micro_batch_tokens=0", "training.micro_batch_tokens"),
         ("--training.frozen_pass_tokens=100", "training.frozen_pass_tokens"),
         ("--generation.temperature=-0.1", "generation.temperature"),
         ("--generation.top_p=0", "generation.top_p"),
@@ -201,7 +200,7 @@ def test_env_settings_are_checked_before_the_launch():
                           ("--env.workers=0", "env.workers"), ("--env.max_turns=-1", "env.max_turns")):
         assert error("--env.name=digit_relay", override).startswith(key)
     assert error("--env.name=digit_relay", "--training.micro_batch_tokens=20").endswith(
-        "must be 0 (sized from memory) or hold the longest episode: data.max_prompt_tokens + env.max_tokens = 544")
+        "must hold the longest episode: data.max_prompt_tokens + env.max_tokens = 544")
     assert error("--data.response_prefix=<tool_call>").startswith('data.response_prefix = "<tool_call>" needs data.path')
     kept = error("--env.name=digit_relay", "--env.keep_kv=false", "--generation.engine=vllm")
     assert kept.startswith("env.keep_kv = false must be true with generation.engine = \"vllm\"")

@@ -257,38 +257,6 @@ def test_training_passes_never_make_the_host_wait_for_the_device(one_rank_group,
     assert torch.isfinite(out.logprobs).all() and torch.isfinite(reference_out.logprobs).all()
 
 
-def test_micro_batches_sized_from_memory_fit_it(one_rank_group):
-    """training.micro_batch_tokens = 0: two steps at the first size are measured, and a step packed
-    at the size found peaks below MEMORY_SHARE of the usable memory, as the measured rate says. The
-    device is made to look smaller (2 GB usable beyond what the trainer holds at the start) so that
-    the size found is one the test's batch fills."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from grpo.train.budget import MEMORY_SHARE, ROUND_TO, CudaMemory, MicroBatchSizer
-
-    torch.manual_seed(2)
-    model = Transformer(ARGS, dtype=torch.float32, device=DEVICE)
-    model.init_weights(std=0.05)
-    trainer = Trainer(model, init_device_mesh("cuda", (1,)), DEVICE, torch.bfloat16, GRPOConfig(group_size=4),
-                      OptimizerConfig(lr=1e-4, warmup_steps=0), total_steps=10, micro_batch_tokens=2048,
-                      temperature=1.0, max_new_tokens=120, compile=True)
-    memory = CudaMemory(DEVICE)
-    usable = memory.allocated() + 2 * 10**9
-    memory.usable = lambda: usable
-    sizer = MicroBatchSizer(trainer, DEVICE, None, dist.group.WORLD, memory)
-    batch = _episodes(2048, seed=4)
-    for _ in range(2):
-        with sizer.measuring():
-            trainer.train(batch)
-    tokens = trainer.micro_batch_tokens
-    assert sizer.found and tokens > 2048 and tokens % ROUND_TO == 0
-    assert int((batch.prompt_lens + batch.completion_lens).sum()) > tokens, "the batch must fill a micro-batch"
-    torch.cuda.reset_peak_memory_stats(DEVICE)
-    metrics = trainer.train(batch)
-    assert metrics["train/skipped_updates"] == 0.0
-    assert torch.cuda.max_memory_allocated(DEVICE) <= MEMORY_SHARE * usable
-
-
 def test_triton_head_kernels_match_the_torch_reference():
     from model.head_kernel import chunk_grad_triton, chunk_stats_triton
     from model.logprob_head import chunk_grad, chunk_stats

@@ -237,17 +237,16 @@ def _check_training(cfg: Config) -> None:
     longest = cfg.data.max_prompt_tokens + cfg.max_episode_tokens
     after_prompt = "env.max_tokens" if cfg.env.name else "generation.max_new_tokens"
     require(
-        t.micro_batch_tokens == 0 or t.micro_batch_tokens >= longest,
+        t.micro_batch_tokens >= longest,
         "training.micro_batch_tokens",
         t.micro_batch_tokens,
-        f"must be 0 (sized from memory) or hold the longest episode: data.max_prompt_tokens + {after_prompt} = {longest}",
+        f"must hold the longest episode: data.max_prompt_tokens + {after_prompt} = {longest}",
     )
     require(
-        t.frozen_pass_tokens == 0 or t.frozen_pass_tokens >= max(t.micro_batch_tokens, longest),
+        t.frozen_pass_tokens == 0 or t.frozen_pass_tokens >= t.micro_batch_tokens,
         "training.frozen_pass_tokens",
         t.frozen_pass_tokens,
-        f"must be 0 (4 micro-batches) or hold one micro-batch: >= training.micro_batch_tokens = {t.micro_batch_tokens} "
-        f"and >= the longest episode ({longest})",
+        f"must be 0 (4 micro-batches) or hold one micro-batch: >= training.micro_batch_tokens = {t.micro_batch_tokens}",
     )
 
     require(t.max_bad_steps >= 1, "training.max_bad_steps", t.max_bad_steps, "must be >= 1")

@@ -281,8 +281,8 @@ class TrainingConfig:
     # RL steps: one batch of data.prompts_per_step x grpo.group_size episodes, used for grpo.num_iterations passes, then synced
     steps: int = 150
     # tokens (prompt + completion) per forward/backward on each trainer rank, episodes packed back to back; at least the
-    # longest episode (data.max_prompt_tokens + generation.max_new_tokens); 0 = sized from the GPU's memory after step 2
-    micro_batch_tokens: int = 0
+    # longest episode (data.max_prompt_tokens + generation.max_new_tokens)
+    micro_batch_tokens: int = 16384
     # tokens one no-grad forward packs (π_old's log-probs when they need their own pass, and the KL reference's), in
     # whole micro-batches; 0 = 4 micro-batches (these passes keep no activations)
     frozen_pass_tokens: int = 0

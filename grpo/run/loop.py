@@ -89,10 +89,6 @@ def run_loop(cfg: Config, run: Run, resume: Path | None = None, stop: GracefulSt
                 metrics["time/gc_s"] = boundary["gc_s"]
             bad_steps = bad_steps + 1 if boundary["skipped"] else 0
             logger.log(step, metrics)
-            if run.sizer is not None and run.sizer.news:
-                if is_leader:
-                    logger.say(run.sizer.news)
-                run.sizer.news = None
             if step == cfg.metrics.profile_step and is_leader:
                 logger.say(f"step {step} profiled, phase by phase: {profiler.folder}")
             if boundary["skipped"] and is_leader:
@@ -128,9 +124,6 @@ def _resume(
         return 0, 0, {}, None, 0.0
     resume, state, inflight = _load_newest_whole(cfg, run, resume, is_async)
     _check_same_schedule(cfg, resume, state, dist.get_world_size())
-    if run.sizer is not None and "micro_batch_tokens" in state:
-        # The size the run found: the steps after the checkpoint pack as they would have.
-        run.sizer.settle(int(state["micro_batch_tokens"]))
     if run.roles.rank == run.roles.leader:
         _announce_resume(cfg, resume, state)
     # Checkpoints written before the run's time was saved count from their step on.
@@ -198,8 +191,6 @@ def _save(
     rank; returns the checkpoint's folder."""
     run_state = {"step": step, "policy_version": step, "data_position": _data_position(cfg, step)}
     run_state.update(bad_steps=bad_steps, evals=evals, schedule=_schedule_of(cfg), seconds=seconds)
-    if run.sizer is not None and run.sizer.found:
-        run_state["micro_batch_tokens"] = run.trainer.micro_batch_tokens
     roles = run.roles
     with run.waiting("the checkpoint save on every rank"), _leader_speaks(run, CheckpointSaveError):
         return save_checkpoint(

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -47,7 +47,6 @@ from grpo.rollout.transport import exchange_episodes
 from grpo.run.weights import WeightPush
 from grpo.scoring.scorer import Scorer, score_episodes
 from grpo.scoring.stream import ScoringStream
-from grpo.train.budget import FIRST_TOKENS, MicroBatchSizer, sizing_problem
 from grpo.train.export import export_bytes, export_hf
 from grpo.train.memory import explain_out_of_memory
 from grpo.train.trainer import Trainer
@@ -115,9 +114,6 @@ class Run:
         self.who = f"{role} rank {roles.rank}"
         self.trainer_group = roles.trainer_mesh.get_group() if roles.trainer_mesh is not None else None
         self.trainer = self._build_trainer() if roles.is_trainer else None
-        self.sizer = None
-        if self.trainer is not None and cfg.training.micro_batch_tokens == 0:
-            self.sizer = MicroBatchSizer(self.trainer, device, sizing_problem(cfg, device), self.trainer_group)
         self.engine = self._build_engine() if roles.is_generator else None
         self.env = None
         if roles.is_generator and cfg.env.name:
@@ -139,7 +135,6 @@ class Run:
         else:
             policy = Transformer(args, dtype=torch.float32, device=device)
             policy.init_weights()
-        longest = cfg.data.max_prompt_tokens + cfg.max_episode_tokens
         reference = None
         if cfg.grpo.kl_coef > 0:
             # The KL anchor is the policy as it starts: a frozen copy of the initial weights.
@@ -153,7 +148,7 @@ class Run:
             cfg.grpo,
             cfg.optimizer,
             total_steps=cfg.training.steps,
-            micro_batch_tokens=cfg.training.micro_batch_tokens or max(FIRST_TOKENS, longest),
+            micro_batch_tokens=cfg.training.micro_batch_tokens,
             frozen_pass_tokens=cfg.training.frozen_pass_tokens,
             share_prompts=cfg.training.share_prompts,
             temperature=cfg.generation.temperature,
@@ -229,16 +224,12 @@ class Run:
     def train(self, batch: EpisodeBatch, memory: dict[str, float]) -> dict[str, float]:
         """One update on this trainer rank -> its metrics, memory's included. Names the trainer ranks
         it waits on if a collective times out, records the peak in memory["memory/train_peak_gb"],
-        sizes micro-batches from memory (training.micro_batch_tokens = 0: grpo/train/budget.py), and
-        turns running out of device memory into one line (grpo/train/memory.py)."""
-        packed = self.trainer.micro_batch_tokens
+        and turns running out of device memory into one line (grpo/train/memory.py)."""
         with self.waiting(f"the other {self.peers()[1]} (FSDP collectives)"), \
                 self.peak_memory("memory/train_peak_gb", memory), \
-                explain_out_of_memory(self.cfg, self.device, self.outside_bytes, packed), \
-                self.sizer.measuring() if self.sizer is not None else nullcontext():
+                explain_out_of_memory(self.cfg, self.device, self.outside_bytes):
             metrics = self.trainer.train(batch)
         metrics.update(memory)
-        metrics["train/micro_batch_tokens"] = float(packed)
         return metrics
 
     @contextmanager

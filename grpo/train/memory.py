@@ -17,19 +17,17 @@ class TrainingOutOfMemory(TandemError, RuntimeError):
 
 
 @contextmanager
-def explain_out_of_memory(
-    cfg: Config, device: torch.device, held_elsewhere: Callable[[], int], micro_batch_tokens: int
-) -> Iterator[None]:
+def explain_out_of_memory(cfg: Config, device: torch.device, held_elsewhere: Callable[[], int]) -> Iterator[None]:
     """Turn torch.OutOfMemoryError inside the block into TrainingOutOfMemory. held_elsewhere()
     gives the bytes this rank's device holds outside PyTorch's allocator (the native engine's mapped
-    KV cache, vLLM's process); micro_batch_tokens is the size the trainer packed."""
+    KV cache, vLLM's process)."""
     try:
         yield
     except torch.OutOfMemoryError:
-        raise TrainingOutOfMemory(out_of_memory_advice(cfg, device, held_elsewhere(), micro_batch_tokens)) from None
+        raise TrainingOutOfMemory(out_of_memory_advice(cfg, device, held_elsewhere())) from None
 
 
-def out_of_memory_advice(cfg: Config, device: torch.device, held_elsewhere_bytes: int, micro_batch_tokens: int) -> str:
+def out_of_memory_advice(cfg: Config, device: torch.device, held_elsewhere_bytes: int) -> str:
     """The one line: what was in use, then the settings that would lower it, most effective first."""
     in_use = ""
     if device.type == "cuda":
@@ -37,10 +35,7 @@ def out_of_memory_advice(cfg: Config, device: torch.device, held_elsewhere_bytes
         in_use = (f" ({allocated:.1f} GB allocated by PyTorch, {held_elsewhere_bytes / 1e9:.1f} GB held outside it by "
                   "the generation engine)")
     t, g = cfg.training, cfg.generation
-    remedies = [
-        f"lower training.micro_batch_tokens (now {micro_batch_tokens})" if t.micro_batch_tokens else
-        f"set training.micro_batch_tokens below the {micro_batch_tokens} tokens it was sized to from memory (0)"
-    ]
+    remedies = [f"lower training.micro_batch_tokens (now {t.micro_batch_tokens})"]
     if not cfg.model.activation_checkpointing:
         remedies.append("set model.activation_checkpointing = true")
     if cfg.parallelism.mode == "colocated":

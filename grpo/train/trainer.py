@@ -78,8 +78,7 @@ class Trainer:
     ):
         """`model` and `reference` (needed when grpo.kl_coef > 0: the frozen policy the KL penalty
         pulls toward) are fp32 models on this rank's device; both get sharded over `mesh`.
-        micro_batch_tokens: the most tokens (prompt + completion) one forward/backward packs (an
-        attribute that may change between steps: grpo/train/budget.py).
+        micro_batch_tokens: the most tokens (prompt + completion) one forward/backward packs.
         frozen_pass_tokens: the most tokens one no-grad forward (π_old's and the reference's
         log-probs) packs, in whole micro-batches; 0 = FROZEN_PASS_MICRO_BATCHES micro-batches.
         share_prompts: pack a prompt's episodes with the prompt once (packing.py pack_episodes).
@@ -90,7 +89,11 @@ class Trainer:
         self.mesh, self.device = mesh, device
         self.grpo, self.optim = grpo, optim
         self.micro_batch_tokens, self.share_prompts = micro_batch_tokens, share_prompts
-        self.frozen_pass_tokens = frozen_pass_tokens
+        # Whole micro-batches per frozen forward: a count, not a token sum, so that every rank runs
+        # the same number of forwards (FSDP's all-gathers need every rank).
+        self.frozen_group = (
+            max(1, frozen_pass_tokens // micro_batch_tokens) if frozen_pass_tokens else FROZEN_PASS_MICRO_BATCHES
+        )
         # Log-probs are those of the sampling distribution; greedy sampling scores at temperature 1.
         self.temperature = temperature if temperature > 0 else 1.0
         if (reference is not None) != (grpo.kl_coef > 0):
@@ -146,13 +149,6 @@ class Trainer:
                 continue
             tensor = param.full_tensor() if isinstance(param, DTensor) else param
             yield name, (), tensor.detach().to(dtype)
-
-    @property
-    def frozen_group(self) -> int:
-        """Whole micro-batches per frozen forward: a count, not a token sum, so that every rank runs
-        the same number of forwards (FSDP's all-gathers need every rank)."""
-        tokens = self.frozen_pass_tokens
-        return max(1, tokens // self.micro_batch_tokens) if tokens else FROZEN_PASS_MICRO_BATCHES
 
     def _micro_batches(self, batch: EpisodeBatch) -> list[list[_MicroBatch]]:
         """Split into `minibatches` minibatches of whole groups, each into packed micro-batches of
