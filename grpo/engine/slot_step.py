@@ -22,7 +22,7 @@ def start_slots(
     c = cache
     hit_eos = torch.isin(first, eos_ids)
     c.last_token[slots], c.position[slots], c.key[slots], c.budget[slots] = first, positions, keys, budgets
-    c.generated[slots] = 1
+    c.generated.index_fill_(0, slots, 1)  # an index_put of a Python number copies it from the host: a sync
     c.out_tokens[slots, 0], c.out_logprobs[slots, 0] = first, logprob
     c.eos[slots], c.done[slots] = hit_eos, hit_eos | (budgets <= 1)
 
