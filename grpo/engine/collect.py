@@ -16,6 +16,7 @@ import torch
 
 from grpo.engine.cache import SlotCache
 from grpo.engine.types import Completion, GenerationRequest, stop_length
+from model.attention import to_device
 
 
 class StateSnapshot:
@@ -24,10 +25,8 @@ class StateSnapshot:
 
     def __init__(self, cache: SlotCache, slots: list[int]):
         self.slots = slots
-        rows = torch.tensor(slots, dtype=torch.int64)
-        # From pinned memory the copy is queued like a kernel; from pageable memory torch would
-        # wait for every decode step queued before it.
-        self.rows = rows.pin_memory().to(cache.device, non_blocking=True) if cache.device.type == "cuda" else rows
+        # Without waiting for the decode steps queued before it (model.attention.to_device).
+        self.rows = to_device(torch.tensor(slots, dtype=torch.int64), cache.device)
         state = torch.stack((cache.done[self.rows].long(), cache.eos[self.rows].long(), cache.generated[self.rows]))
         self._ready = None
         if cache.device.type == "cuda":
