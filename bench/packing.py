@@ -3,6 +3,7 @@ run: what the trainer does on the CPU before and between its micro-batches, one 
 
     python3 bench/packing.py                       # the realistic step's shape (bench/rl_step.py)
     python3 bench/packing.py --prompts 128 --group 16 --reps 9
+    python3 bench/packing.py --threads 0           # with torch's default intra-op threads (one per core)
 
 A hand-made batch shaped like bench/rl_step.py's: --prompts prompts of 80-130 tokens, --group
 completions of 60-256 tokens each, the episodes of a prompt starting with the same prompt tokens.
@@ -73,8 +74,10 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--budget", type=int, default=16384, help="training.micro_batch_tokens")
     parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=1, help="torch's intra-op CPU threads (0: torch's default)")
     opts = parser.parse_args()
-    torch.set_num_threads(1)
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
     batch = realistic_batch(opts.prompts, opts.group)
     plain_ms = None
     for share in (False, True):
@@ -83,7 +86,8 @@ def main() -> None:
         line = {key: round(statistics.median(p[key] for p in passes), 2) for key in ("plan_ms", "pack_ms", "layout_ms")}
         host_ms = sum(line.values())
         plain_ms = plain_ms or host_ms
-        print(json.dumps(dict(bench="packing", layout="shared_prompts" if share else "plain", episodes=len(batch),
+        print(json.dumps(dict(bench="packing", layout="shared_prompts" if share else "plain", threads=torch.get_num_threads(),
+                              episodes=len(batch),
                               tokens=passes[0]["tokens"], micro_batches=passes[0]["micro_batches"], **line,
                               host_ms=round(host_ms, 2), vs_plain=round(host_ms / plain_ms, 2))), flush=True)
 
