@@ -72,9 +72,9 @@ def _rendezvous_store(timeout: timedelta) -> dist.Store:
 def one_host_thread() -> None:
     """A GPU rank's CPU tensor work in one thread, unless OMP_NUM_THREADS says otherwise (torchrun
     sets it to 1 where it starts several ranks a node, not for one). That work is small (packing,
-    indices, sampling set-up), and a pool of one thread per core kept cores from the threads that
-    launch the GPU's work: on one H100 the realistic step ran 5-8% faster with one (bench/RESULTS.md).
-    Processes started later (reward workers, compile workers) inherit the setting."""
+    indices, sampling set-up): on one H100 the realistic step ran 5-8% faster with one thread than
+    with torch's default of one per core (bench/RESULTS.md). Processes started later (reward
+    workers, compile workers) inherit the setting."""
     if "OMP_NUM_THREADS" not in os.environ:
         os.environ["OMP_NUM_THREADS"] = "1"
         torch.set_num_threads(1)
