@@ -86,8 +86,8 @@ def main() -> None:
         line = {key: round(statistics.median(p[key] for p in passes), 2) for key in ("plan_ms", "pack_ms", "layout_ms")}
         host_ms = sum(line.values())
         plain_ms = plain_ms or host_ms
-        print(json.dumps(dict(bench="packing", layout="shared_prompts" if share else "plain", threads=torch.get_num_threads(),
-                              episodes=len(batch),
+        print(json.dumps(dict(bench="packing", layout="shared_prompts" if share else "plain",
+                              threads=torch.get_num_threads(), episodes=len(batch),
                               tokens=passes[0]["tokens"], micro_batches=passes[0]["micro_batches"], **line,
                               host_ms=round(host_ms, 2), vs_plain=round(host_ms / plain_ms, 2))), flush=True)
 

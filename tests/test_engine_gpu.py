@@ -238,6 +238,7 @@ def test_a_group_moving_its_reader_does_not_wait_for_the_queued_steps():
         torch.cuda.set_sync_debug_mode("default")
     assert cache.share_slot[[3, 5]].tolist() == [3, 3] and cache.share_len[[3, 5]].tolist() == [3, 3]
 
+
 def test_kv_budget_bounds_the_slots_and_the_batch():
     model = reference_model(torch.bfloat16)
     per_slot = 2 * ARGS.n_layers * ARGS.n_kv_heads * ARGS.head_dim * 2 * 64
