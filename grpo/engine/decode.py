@@ -17,6 +17,7 @@ from grpo.engine.cache import SlotCache
 from grpo.engine.slot_step import advance_slots, read_slots
 from grpo.engine.types import SamplingParams
 from model import Transformer
+from model.attention import to_device
 
 # Batch sizes a decode graph is captured for; a batch runs in the smallest bucket that holds it.
 _SMALL_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128)
@@ -67,7 +68,7 @@ class DecodeStep:
         """Advance `slots` by `steps` tokens each (finished ones stay as they are)."""
         n = len(slots)
         if not self.use_graphs:
-            rows = torch.tensor(slots, dtype=torch.int64, device=self.cache.device)
+            rows = to_device(torch.tensor(slots, dtype=torch.int64), self.cache.device)
             for _ in range(steps):
                 self.step(rows, sp)
             return

@@ -126,7 +126,10 @@ class NativeEngine:
         self._token_hash = vocab_hash(args.vocab_size, self.device)
         self._sample = sample
         if self.use_compile:
-            self._compile()
+            # Each block's two halves (model/parallelize.py) and the sampler: one graph each, reused
+            # by every layer and every batch size.
+            compile_blocks(self.model)
+            self._sample = torch.compile(sample, dynamic=True)
         self.cache: SlotCache | None = None
         self.decoder: DecodeStep | None = None
         self.kept = KeptKV()
@@ -139,12 +142,6 @@ class NativeEngine:
         self.peak_active = 0
         self._in_flight = 0
         self._queue: list[tuple[GenerationRequest, SamplingParams]] = []
-
-    def _compile(self) -> None:
-        """Compile each block's two halves (model/parallelize.py compile_blocks) and the sampler:
-        one graph each, reused by every layer and every batch size."""
-        compile_blocks(self.model)
-        self._sample = torch.compile(sample, dynamic=True)
 
     def release_cache(self) -> None:
         """Free the KV cache's K/V memory, so that a colocated trainer can use it. The next poll
@@ -303,11 +300,8 @@ class NativeEngine:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         self.max_batch_size = limit // 2
-        print(
-            f"generator: out of memory with {limit} sequences at once; retrying with at most {self.max_batch_size}",
-            file=sys.stderr,
-            flush=True,
-        )
+        print(f"generator: out of memory with {limit} sequences at once; retrying with at most {self.max_batch_size}",
+              file=sys.stderr, flush=True)
 
     def _drain(self, requests, keys, sp, waiting: deque, results: list, on_finished=None) -> None:
         """Admit, decode and collect until every request in `waiting` has a completion.
