@@ -17,7 +17,7 @@ import torch
 
 from grpo.engine.slot_step import SlotReads
 from model import ModelArgs, batch_invariant
-from model.attention import slot_decode, suffix_prefill, to_device, varlen_prefill
+from model.attention import concat_ranges, slot_decode, suffix_prefill, to_device, varlen_prefill
 
 
 def slot_bytes(args: ModelArgs, max_len: int, dtype: torch.dtype) -> int:
@@ -149,14 +149,15 @@ class SlotCache:
         otherwise each slot's keys are gathered and the appended tokens attend in one varlen call.
         """
         dev, L = self.device, self.max_len
-        rows = torch.cat([torch.full((n,), slot) for slot, n in zip(slots, appended)])
-        positions = torch.cat([torch.arange(c, c + n) for c, n in zip(cached, appended)])
+        appended_t = torch.tensor(appended)
+        rows = torch.tensor(slots).repeat_interleave(appended_t)
+        positions = concat_ranges(torch.tensor(cached), appended_t)
         write_target = to_device(rows * L + positions, dev)
         if batch_invariant.enabled():
             rows_d, lengths = to_device(rows, dev), to_device((positions + 1).to(torch.int32), dev)
         else:
             keys = [c + n for c, n in zip(cached, appended)]
-            gather = to_device(torch.cat([torch.arange(slot * L, slot * L + n) for slot, n in zip(slots, keys)]), dev)
+            gather = to_device(concat_ranges(torch.tensor(slots) * L, torch.tensor(keys)), dev)
             cu_q = to_device(torch.tensor([0] + appended).cumsum(0).to(torch.int32), dev)
             cu_k = to_device(torch.tensor([0] + keys).cumsum(0).to(torch.int32), dev)
 

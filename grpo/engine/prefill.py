@@ -12,7 +12,7 @@ import torch
 from grpo.engine.cache import SlotCache
 from grpo.engine.types import GenerationRequest
 from model import Transformer
-from model.attention import to_device
+from model.attention import concat_ranges, to_device
 
 
 @torch.no_grad()
@@ -36,15 +36,17 @@ def prefill_prompts(
     lengths = torch.tensor([len(p) for p in prompts])
     starts = torch.cumsum(lengths, 0) - lengths
     cu = torch.cat((torch.zeros(1, dtype=torch.int64), torch.cumsum(lengths, 0))).to(torch.int32)
-    positions = torch.cat([torch.arange(n) for n in lengths.tolist()])
-    source = torch.cat([starts[p] + torch.arange(lengths[p]) for p in owner])
-    target = torch.cat([slot * L + torch.arange(lengths[p]) for slot, p in zip(slots, owner)])
+    # In a few vectorised ops: one arange per request cost the host ~10 ms for a step's 512.
+    owner_t = torch.tensor(owner)
+    positions = concat_ranges(torch.zeros_like(lengths), lengths)
+    source = concat_ranges(starts[owner_t], lengths[owner_t])
+    target = concat_ranges(torch.tensor(list(slots)) * L, lengths[owner_t])
     dev = cache.device
     attend = cache.prefill_attention(to_device(source, dev), to_device(target, dev), to_device(cu, dev),
                                      int(lengths.max()))
     tokens = to_device(torch.tensor([t for p in prompts for t in p], dtype=torch.int64), dev)
     logits = model.decode(tokens, to_device(positions, dev), attend, logits_index=to_device(starts + lengths - 1, dev))
-    return logits[to_device(torch.tensor(owner), dev)]
+    return logits[to_device(owner_t, dev)]
 
 
 @torch.no_grad()
@@ -58,7 +60,7 @@ def prefill_appended(
     prompt token [R, V]."""
     appended = [len(r.prompt_tokens) - n for r, n in zip(requests, cached)]
     tokens = [t for r, n in zip(requests, cached) for t in r.prompt_tokens[n:]]
-    positions = torch.cat([torch.arange(n, len(r.prompt_tokens)) for r, n in zip(requests, cached)])
+    positions = concat_ranges(torch.tensor(list(cached)), torch.tensor(appended))
     last = torch.tensor(appended).cumsum(0) - 1
     dev = cache.device
     attend = cache.append_attention(list(slots), list(cached), appended)
