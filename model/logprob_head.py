@@ -1,8 +1,9 @@
 """The log-prob head: log softmax(hidden @ weight.T / T)[target] and the entropy of that
-distribution, per token, without ever holding the whole `[N, V]` logits.
+distribution, per token, holding no more of the `[N, V]` logits than a budget allows.
 
-Tokens go through in chunks. Forward keeps, per token, only the log-normaliser and the entropy
-(plus its inputs); backward recomputes each chunk's logits with one matmul and turns them into
+Tokens go through in chunks. Forward keeps, per token, the log-normaliser and the entropy (plus
+its inputs), and, while they fit in `keep_budget` bytes, the chunks' logits themselves; backward
+takes each chunk's logits from there or recomputes them with one matmul, and turns them into
 their gradient in one elementwise pass, from the closed forms (s = logits / T, p = softmax(s)):
 
     d logprob / d s_j = 1[j = target] - p_j
@@ -23,8 +24,19 @@ import torch.nn.functional as F
 from model import batch_invariant
 from model.attention import fast_kernels_serve
 
-# Tokens per chunk: bounds the [chunk, V] logits (and their gradient) held at once.
+# Tokens per chunk: bounds the [chunk, V] logits (and their gradient) computed at once.
 LOGPROB_CHUNK_TOKENS = 4096
+# The forward's logits a backward may keep instead of recomputing them (saving a quarter of the
+# head's matmul FLOPs): a share of the device's memory on CUDA, a fixed amount on the CPU.
+KEEP_LOGITS_SHARE = 0.1
+KEEP_LOGITS_CPU_BYTES = 1 << 30
+
+
+def keep_budget(device: torch.device) -> int:
+    """Bytes of a differentiable call's logits its backward may keep on `device`."""
+    if device.type == "cuda":
+        return int(KEEP_LOGITS_SHARE * torch.cuda.get_device_properties(device).total_memory)
+    return KEEP_LOGITS_CPU_BYTES
 
 
 def _wide(logits: torch.Tensor) -> torch.Tensor:
@@ -78,19 +90,24 @@ def _logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 class _ChunkedHead(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature: float):
+    def forward(ctx, hidden, weight, targets, temperature: float, keep_bytes: int):
         stats, _ = _kernels(hidden)
+        starts = range(0, hidden.shape[0], LOGPROB_CHUNK_TOKENS)
+        # Per chunk: its logits, kept for the backward, or None (recomputed there).
+        ctx.kept = [None] * len(starts)
         if batch_invariant.enabled() and not batch_invariant.uses_kernels(hidden):
             # Blocks of one shape, as the engine computes its log-probs (grpo/engine/sampling.py).
             logprob, entropy, log_z = batch_invariant.in_blocks(
                 lambda h, t: stats(F.linear(h, weight), t, temperature), hidden, targets
             )
         else:
-            parts = [
-                stats(_logits(hidden[start : start + LOGPROB_CHUNK_TOKENS], weight),
-                      targets[start : start + LOGPROB_CHUNK_TOKENS], temperature)
-                for start in range(0, hidden.shape[0], LOGPROB_CHUNK_TOKENS)
-            ]
+            parts = []
+            for i, start in enumerate(starts):
+                logits = _logits(hidden[start : start + LOGPROB_CHUNK_TOKENS], weight)
+                parts.append(stats(logits, targets[start : start + LOGPROB_CHUNK_TOKENS], temperature))
+                size = logits.numel() * logits.element_size()
+                if size <= keep_bytes:
+                    ctx.kept[i], keep_bytes = logits, keep_bytes - size
             logprob, entropy, log_z = (torch.cat(column) for column in zip(*parts))
         ctx.save_for_backward(hidden, weight, targets, log_z, entropy)
         ctx.temperature = temperature
@@ -106,21 +123,25 @@ class _ChunkedHead(torch.autograd.Function):
         wide = torch.promote_types(weight.dtype, torch.float32)
         # Summed over chunks in fp32, whatever the weight's dtype.
         grad_weight = torch.zeros(weight.shape, dtype=wide, device=weight.device) if ctx.needs_input_grad[1] else None
-        for start in range(0, hidden.shape[0], LOGPROB_CHUNK_TOKENS):
+        for i, start in enumerate(range(0, hidden.shape[0], LOGPROB_CHUNK_TOKENS)):
             chunk = slice(start, start + LOGPROB_CHUNK_TOKENS)
             # The forward's logits exactly (fp32 ones included), so p sums to one; the gradient
-            # comes out in the matmuls' dtype.
+            # comes out in the matmuls' dtype. A kept chunk is let go as soon as it is read.
+            logits, ctx.kept[i] = ctx.kept[i], None
+            if logits is None:
+                logits = _logits(hidden[chunk], weight)
             grad_logits = grad_of_logits(
-                _logits(hidden[chunk], weight), targets[chunk], log_z[chunk], entropy[chunk],
+                logits, targets[chunk], log_z[chunk], entropy[chunk],
                 grad_logprob[chunk], grad_entropy[chunk], ctx.temperature, hidden.dtype,
             )
+            del logits
             if grad_hidden is not None:
                 grad_hidden[chunk] = grad_logits @ weight
             if grad_weight is not None:
                 grad_weight += (grad_logits.t() @ hidden[chunk]).to(wide)
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None
+        return grad_hidden, grad_weight, None, None, None
 
 
 def target_logprobs(
@@ -139,14 +160,17 @@ def target_logprobs(
     numerics are batch-invariant."""
     B, T, D = hidden.shape
     flat_hidden, flat_targets = hidden.reshape(B * T, D), targets.reshape(B * T)
+    # Only a call with a backward to come keeps logits (inside the Function grad mode is always off).
+    differentiable = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    keep = keep_budget(hidden.device) if differentiable else 0
     if index is None:
-        logprobs, entropy = _ChunkedHead.apply(flat_hidden, weight, flat_targets, temperature)
+        logprobs, entropy = _ChunkedHead.apply(flat_hidden, weight, flat_targets, temperature, keep)
         return logprobs.view(B, T), entropy.view(B, T)
     # No wanted token still runs the head on one, weighted 0: the weight's gradient must exist on
     # every rank alike (FSDP reduces the same parameters everywhere).
     scale = 1.0 if index.numel() else 0.0
     index = index if index.numel() else torch.zeros(1, dtype=torch.long, device=hidden.device)
-    picked = _ChunkedHead.apply(flat_hidden[index], weight, flat_targets[index], temperature)
+    picked = _ChunkedHead.apply(flat_hidden[index], weight, flat_targets[index], temperature, keep)
     logprobs, entropy = (torch.zeros(B * T, dtype=p.dtype, device=p.device).index_copy(0, index, p * scale)
                          for p in picked)
     return logprobs.view(B, T), entropy.view(B, T)

@@ -733,6 +733,51 @@ def test_head_with_no_masked_token_still_gives_the_weight_a_gradient():
     assert model.output.weight.grad is not None and not model.output.weight.grad.any()
 
 
+@pytest.mark.parametrize("kept_chunks", [1, 3, 4])
+def test_kept_logits_give_the_recomputed_outputs_and_gradients_bitwise(kept_chunks, monkeypatch):
+    """The head's backward reads the forward's logits for as many chunks as keep_budget holds and
+    recomputes the others, with exactly the outputs and gradients of recomputing every chunk; a
+    call without a backward to come keeps nothing."""
+    monkeypatch.setattr(logprob_head, "LOGPROB_CHUNK_TOKENS", 5)
+    gen = torch.Generator().manual_seed(11)
+    N, D, V = 20, 6, 13  # 4 chunks
+    hidden = torch.randn(1, N, D, generator=gen, requires_grad=True)
+    weight = torch.randn(V, D, generator=gen, requires_grad=True)
+    targets = torch.randint(V, (1, N), generator=gen)
+    a, b = torch.randn(1, N, generator=gen), torch.randn(1, N, generator=gen)
+    computed = []
+    plain_logits = logprob_head._logits
+
+    def counted_logits(h, w):
+        computed.append(h.shape[0])
+        return plain_logits(h, w)
+
+    monkeypatch.setattr(logprob_head, "_logits", counted_logits)
+
+    def run(budget):
+        monkeypatch.setattr(logprob_head, "keep_budget", lambda device: budget)
+        hidden.grad = weight.grad = None
+        lp, ent = logprob_head.target_logprobs(hidden, weight, targets, 0.7)
+        computed.clear()
+        ((lp * a).sum() + (ent * b).sum()).backward()
+        return (lp, ent, hidden.grad, weight.grad), len(computed)
+
+    want, recomputed = run(0)
+    assert recomputed == 4
+    chunk_bytes = 5 * V * 4
+    got, recomputed = run(kept_chunks * chunk_bytes + chunk_bytes // 2)
+    assert recomputed == 4 - kept_chunks
+    for name, g, w in zip(("logprobs", "entropy", "hidden grad", "weight grad"), got, want):
+        assert torch.equal(g, w), name
+
+    def no_budget(device):
+        raise AssertionError("a call without a backward asked for a budget")
+
+    monkeypatch.setattr(logprob_head, "keep_budget", no_budget)
+    with torch.no_grad():
+        logprob_head.target_logprobs(hidden, weight, targets, 0.7)
+
+
 # --------------------------------------------------------------------------------------------- 8. KV cache (the engine's slots)
 
 
