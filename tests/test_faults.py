@@ -77,7 +77,8 @@ def test_a_stalled_rank_is_named_by_the_rank_waiting_for_it(tmp_path):
 
 
 def test_ctrl_c_in_a_single_process_run_saves_and_exits_0(tmp_path):
-    """SIGINT (Ctrl-C) to `python train_grpo.py`: it finishes the step, saves, says where, exits 0."""
+    """SIGINT (Ctrl-C) to `python train_grpo.py`: it says it will stop, finishes the step, saves, says
+    where, exits 0."""
     proc = start([*SHORT, "--training.steps=40", "--parallelism.mode=colocated", f"--job.output_dir={tmp_path}"],
                  nproc=None)
     wait_for_step(tmp_path, 2, proc)
@@ -88,3 +89,4 @@ def test_ctrl_c_in_a_single_process_run_saves_and_exits_0(tmp_path):
     step = int(stopped.split("after step ")[1].split(":")[0])
     assert (tmp_path / "checkpoints" / f"step_{step}" / "run_state.json").is_file()
     assert stopped.endswith("; run the same command to resume")
+    assert "SIGINT: stopping when this step ends, after a checkpoint (Ctrl-C again stops at once)" in err

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -71,6 +72,10 @@ class GracefulStop:
             # Libraries may wrap the KeyboardInterrupt (DCP does): `forced` tells the caller why it stopped.
             self.forced = True
             raise KeyboardInterrupt
+        if not self.signal_number and os.environ.get("RANK", "0") == "0":
+            # A step can run for minutes: without a word the wait looks like a hang.
+            print(f"{self.name(number)}: stopping when this step ends, after a checkpoint (Ctrl-C again stops at once)",
+                  file=sys.stderr, flush=True)
         self.signal_number = number
 
     @staticmethod
