@@ -6,6 +6,27 @@ before this batch's first update, π_gen generated the tokens. The surrogate cli
     l_t = -min(r_t * A, clip(r_t, 1 - eps_low, 1 + eps_high) * A)
 
 and the π_gen → π_old gap is corrected separately by truncated importance sampling (TIS).
+Per loss token t of sequence i:
+
+    L_t = w_t * l_t + kl_coef * k_t - entropy_coef * H_t
+
+l_t is the clipped surrogate (dual-clipped for A < 0 when clip_ratio_c > 0: l_t = min(l_t, -c A));
+w_t the TIS weight on w = π_old / π_gen (per token, or exp(Σ_t∈i log w_t) per sequence):
+min(w, cap) ("truncate") or 1[w ≤ cap] ("mask"), 1 when tis_cap = 0; k_t the KL estimate
+(`kl_penalty`); H_t the entropy of π_θ. KL and entropy terms are not importance-weighted. The
+minibatch loss, with G = global_sequences and N = global_tokens:
+
+    grpo    Σ_i (Σ_t∈i L_t / T_i) / G               DeepSeekMath, Shao et al. 2024
+    dapo    Σ_t L_t / N                             Yu et al. 2025
+    dr_grpo Σ_t L_t / (G · max_new_tokens)          Liu et al. 2025, "Understanding R1-Zero-like training"
+    gspo    as grpo, with l_t = -min(s_i A_i, clip(s_i, 1 - gspo_eps_low, 1 + gspo_eps_high) A_i)
+            for every t of i, s_i = exp(mean_t∈i (log π_θ - log π_old))    Zheng et al. 2025
+
+so gspo's total is Σ_i (l_i · mean_t∈i w_t + mean_t∈i (KL and entropy terms)) / G (mean_t w_t =
+w_i at the sequence level; dual clip applies to s_i). bnpo (Xiao et al. 2025) is defined per
+micro-batch: its share is Σ_t L_t / T_mb / micro_batches / world_size, T_mb this micro-batch's loss
+tokens, so that the minibatch loss is the mean over ranks and micro-batches of per-micro-batch
+token means.
 
 A row may pack several sequences: `seq_ids` [B, T] gives each token's sequence within the
 micro-batch (-1 on padding) and `mask` [B, T] marks the tokens that carry loss. `policy_loss`
@@ -179,34 +200,13 @@ def policy_loss(
     norm: Normalizers,
     num_seqs: int | None = None,
 ) -> LossTerms:
-    """One micro-batch's share of the minibatch policy loss. All inputs [B, T].
+    """One micro-batch's share of the minibatch policy loss (the module docstring's formulas): its
+    part of the minibatch loss's sum. All inputs [B, T].
 
     logprobs = log π_θ (with grad), old_logprobs = log π_old, gen_logprobs = log π_gen,
     ref_logprobs = log π_ref (needed when kl_coef > 0), entropy of π_θ per token, advantages per token
     (constant within a sequence), mask float {0, 1} (tokens that carry loss), seq_ids int64 (sequence
     index within the micro-batch, -1 on padding).
-
-    Per loss token t of sequence i:
-
-        L_t = w_t * l_t + kl_coef * k_t - entropy_coef * H_t
-
-    l_t is the clipped surrogate (dual-clipped for A < 0 when clip_ratio_c > 0: l_t = min(l_t, -c A));
-    w_t the TIS weight on w = π_old / π_gen (per token, or exp(Σ_t∈i log w_t) per sequence):
-    min(w, cap) ("truncate") or 1[w ≤ cap] ("mask"), 1 when tis_cap = 0; k_t the KL estimate
-    (`kl_penalty`). KL and entropy terms are not importance-weighted. The minibatch loss, with G =
-    global_sequences and N = global_tokens:
-
-        grpo    Σ_i (Σ_t∈i L_t / T_i) / G               DeepSeekMath, Shao et al. 2024
-        dapo    Σ_t L_t / N                             Yu et al. 2025
-        dr_grpo Σ_t L_t / (G · max_new_tokens)          Liu et al. 2025, "Understanding R1-Zero-like training"
-        gspo    as grpo, with l_t = -min(s_i A_i, clip(s_i, 1 - gspo_eps_low, 1 + gspo_eps_high) A_i)
-                for every t of i, s_i = exp(mean_t∈i (log π_θ - log π_old))    Zheng et al. 2025
-
-    so gspo's total is Σ_i (l_i · mean_t∈i w_t + mean_t∈i (KL and entropy terms)) / G (mean_t w_t =
-    w_i at the sequence level; dual clip applies to s_i). The share returned is the micro-batch's part
-    of that sum. bnpo (Xiao et al. 2025) is defined per micro-batch: its share is
-    Σ_t L_t / T_mb / micro_batches / world_size, T_mb this micro-batch's loss tokens, so that the
-    minibatch loss is the mean over ranks and micro-batches of per-micro-batch token means.
 
     Stats: see `LossTerms`. For gspo, "ratio_*" are over s_i repeated on each loss token of i, and
     "clipped" counts the loss tokens of sequences whose sequence clip binds, so that clipped / tokens
@@ -246,22 +246,19 @@ def policy_loss(
 
     scale = _token_scale(valid, seq_tokens, seq_ids, s, norm)
     loss = torch.where(valid, per_token * scale, 0.0).sum()
-
-    def masked_sum(values: torch.Tensor) -> torch.Tensor:
-        return torch.where(valid, values.detach().to(dtype), 0.0).sum()
-
-    stats = {
-        "tokens": masked_sum(torch.ones_like(log_ratio)),
-        "clipped": masked_sum(surrogate.clipped),
-        "ratio_sum": masked_sum(surrogate.ratio),
-        "ratio_max": torch.where(valid, surrogate.ratio, 0.0).max(),
-        "kl_sum": masked_sum(kl) if kl is not None else log_ratio.new_zeros(()),
-        "entropy_sum": masked_sum(entropy),
-        "tis_clipped": masked_sum(over_cap),
-        "tis_weight_sum": masked_sum(weight),
-        "sequences": (seq_tokens > 0).sum().to(dtype),
-    }
+    per_token_stats = {"tokens": torch.ones_like(log_ratio), "clipped": surrogate.clipped, "ratio_sum": surrogate.ratio,
+                       "kl_sum": kl, "entropy_sum": entropy, "tis_clipped": over_cap, "tis_weight_sum": weight}
+    stats = {name: _masked_sum(values, valid, dtype) for name, values in per_token_stats.items()}
+    stats["ratio_max"] = torch.where(valid, surrogate.ratio, 0.0).max()
+    stats["sequences"] = (seq_tokens > 0).sum().to(dtype)
     return LossTerms(loss=loss, stats=stats)
+
+
+def _masked_sum(values: torch.Tensor | None, valid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Σ values over the loss tokens, outside autograd, in `dtype` (0 for None: no such term)."""
+    if values is None:
+        return valid.new_zeros((), dtype=dtype)
+    return torch.where(valid, values.detach().to(dtype), 0.0).sum()
 
 
 def _tis_weight(
