@@ -1,5 +1,5 @@
-"""The optimizer step's pieces: the learning-rate schedule and the global gradient-norm clip over
-FSDP2 shards (or plain tensors on one rank)."""
+"""The optimizer step's pieces: AdamW with its learning-rate schedule, and the global gradient-norm
+clip over FSDP2 shards (or plain tensors on one rank)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,27 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+
+from grpo.config import OptimizerConfig
+
+
+def build_optimizer(
+    params: list[torch.nn.Parameter], optim: OptimizerConfig, total_steps: int, device: torch.device
+) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW over `params` and its schedule (`lr_factor`), stepped once per RL step."""
+    optimizer = torch.optim.AdamW(
+        params,
+        lr=optim.lr,
+        betas=tuple(optim.betas),
+        eps=optim.eps,
+        weight_decay=optim.weight_decay,
+        # One kernel for the whole update where the device has it.
+        **(dict(fused=True) if device.type == "cuda" else dict(foreach=True)),
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_factor(step, optim.warmup_steps, total_steps, optim.min_lr_ratio)
+    )
+    return optimizer, scheduler
 
 
 def lr_factor(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:

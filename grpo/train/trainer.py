@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +28,7 @@ from grpo.config import GRPOConfig, OptimizerConfig
 from grpo.distributed.collectives import all_reduce
 from grpo.rollout.episode import EpisodeBatch
 from grpo.train.loss import LossSettings, Normalizers, policy_loss
-from grpo.train.optim import clip_gradients, lr_factor
+from grpo.train.optim import build_optimizer, clip_gradients
 from grpo.train.packing import PackedRows, concat_rows, micro_batch_episodes, pack_episodes
 from grpo.train.tally import Tally
 from model import Transformer
@@ -98,46 +98,42 @@ class Trainer:
         self.temperature = temperature if temperature > 0 else 1.0
         if (reference is not None) != (grpo.kl_coef > 0):
             raise ValueError("a reference model is needed exactly when grpo.kl_coef > 0")
-        self.reference = None
-        # The fp32 masters (what the optimizer steps, checkpoints hold and weight sync sends), and
-        # what runs forward: FSDP2 over several ranks, the plain copy on one.
-        self.one_rank: OneRankMixedPrecision | None = None
         self.lora = lora
         structure = None
         if lora is not None:
             structure = functools.partial(apply_lora, spec=lora, base_dtype=compute_dtype)
             structure(model)
-        if mesh.size() == 1 and not fsdp_on_one_rank:
+        self._wrap(model, reference, compute_dtype, activation_checkpointing, compile, fsdp_on_one_rank, structure)
+        self.loss_settings = LossSettings.from_config(grpo, max_new_tokens)
+        # What changes when the policy trains: everything, or with LoRA the adapters and the extra
+        # trainable parameters (all that a step's weight sync sends and a checkpoint holds).
+        self.trained_names = [name for name, p in self.model.named_parameters() if p.requires_grad]
+        self.optimizer, self.scheduler = build_optimizer(
+            [p for p in self.model.parameters() if p.requires_grad], optim, total_steps, device
+        )
+        self.group = mesh.get_group()
+        # Why the last train() call skipped an update ("" when it skipped none).
+        self.last_skip_reason = ""
+
+    def _wrap(self, model: Transformer, reference: Transformer | None, compute_dtype: torch.dtype,
+              activation_checkpointing: bool, compile: bool, fsdp_on_one_rank: bool,
+              structure: Callable[[Transformer], None] | None) -> None:
+        """`model` becomes the fp32 masters (what the optimizer steps, checkpoints hold and weight
+        sync sends) and `policy` what runs forward: FSDP2 over several ranks, the plain compute copy
+        on one (model/mixed_precision.py); the reference likewise, frozen."""
+        self.one_rank: OneRankMixedPrecision | None = None
+        self.reference = None
+        if self.mesh.size() == 1 and not fsdp_on_one_rank:
             self.one_rank = OneRankMixedPrecision(model, compute_dtype, activation_checkpointing, compile, structure)
             self.model, self.policy = model, self.one_rank
             if reference is not None:
                 # Frozen: its compute-dtype cast is all FSDP2 would have made of it on one rank.
                 self.reference = reference.requires_grad_(False).to(compute_dtype).eval()
-                self.reference.keep_rope_on(device)
+                self.reference.keep_rope_on(self.device)
         else:
-            self.model = self.policy = parallelize(model, mesh, compute_dtype, activation_checkpointing, compile)
+            self.model = self.policy = parallelize(model, self.mesh, compute_dtype, activation_checkpointing, compile)
             if reference is not None:
-                self.reference = parallelize(reference.requires_grad_(False), mesh, compute_dtype).eval()
-        self.loss_settings = LossSettings.from_config(grpo, max_new_tokens)
-        # What changes when the policy trains: everything, or with LoRA the adapters and the extra
-        # trainable parameters (all that a step's weight sync sends and a checkpoint holds).
-        self.trained_names = [name for name, p in self.model.named_parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(
-            [p for p in self.model.parameters() if p.requires_grad],
-            lr=optim.lr,
-            betas=tuple(optim.betas),
-            eps=optim.eps,
-            weight_decay=optim.weight_decay,
-            # One kernel for the whole update where the device has it.
-            **(dict(fused=True) if device.type == "cuda" else dict(foreach=True)),
-        )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer,
-            lambda step: lr_factor(step, optim.warmup_steps, total_steps, optim.min_lr_ratio),
-        )
-        self.group = mesh.get_group()
-        # Why the last train() call skipped an update ("" when it skipped none).
-        self.last_skip_reason = ""
+                self.reference = parallelize(reference.requires_grad_(False), self.mesh, compute_dtype).eval()
 
     def full_weights(
         self, dtype: torch.dtype, names: Collection[str] | None = None
