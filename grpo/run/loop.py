@@ -55,18 +55,7 @@ def run_loop(cfg: Config, run: Run, resume: Path | None = None, stop: GracefulSt
         _announce_mfu(run)
         _announce_trainable(run)
     with logger, CollectorPauses() as collector:
-        full_sync_s = run.sync_weights(version=start_step, full=True)
-        if is_leader:
-            logger.say(f"weights to the generators: {run.weights.full_bytes / 1e9:.3g} GB in {full_sync_s:.2f} s; "
-                       f"then {run.weights.step_bytes / 1e9:.3g} GB after each step")
-        if start_step == 0:
-            first = evaluate(run)
-            evals = {"first": first, "last": first}
-            trained, total = run.parameter_counts
-            logger.log(0, {**first, "model/trainable_params": float(trained), "model/params": float(total),
-                           "weight_sync/full_s": full_sync_s, "weight_sync/full_bytes": float(run.weights.full_bytes)})
-        elif start_step >= cfg.training.steps and is_leader:
-            print(f"nothing to do: {resume} is at step {start_step} of training.steps = {cfg.training.steps}", flush=True)
+        evals = _first_sync(cfg, run, logger, start_step, resume) or evals
         if async_steps is not None:
             async_steps.prime(start_step, inflight)
         profiler = StepProfiler(cfg.job.output_dir, cfg.metrics.profile_step, run.roles.rank, run.device)
@@ -111,6 +100,25 @@ def run_loop(cfg: Config, run: Run, resume: Path | None = None, stop: GracefulSt
                 return
     if is_leader and evals:
         _announce_done(cfg, run, logger.path, evals, time.perf_counter() - start, earlier_s, start_step)
+
+
+def _first_sync(cfg: Config, run: Run, logger: MetricsLogger, start_step: int, resume: Path | None) -> dict | None:
+    """The whole policy to the generators; on a fresh start the first evaluation, logged as step 0
+    with the model's sizes, and returned as the run's evaluations so far (None when resuming)."""
+    is_leader = run.roles.rank == run.roles.leader
+    full_sync_s = run.sync_weights(version=start_step, full=True)
+    if is_leader:
+        logger.say(f"weights to the generators: {run.weights.full_bytes / 1e9:.3g} GB in {full_sync_s:.2f} s; "
+                   f"then {run.weights.step_bytes / 1e9:.3g} GB after each step")
+    if start_step >= cfg.training.steps and start_step and is_leader:
+        print(f"nothing to do: {resume} is at step {start_step} of training.steps = {cfg.training.steps}", flush=True)
+    if start_step:
+        return None
+    first = evaluate(run)
+    trained, total = run.parameter_counts
+    logger.log(0, {**first, "model/trainable_params": float(trained), "model/params": float(total),
+                   "weight_sync/full_s": full_sync_s, "weight_sync/full_bytes": float(run.weights.full_bytes)})
+    return {"first": first, "last": first}
 
 
 def _resume(
