@@ -38,6 +38,9 @@ def _parse_argv(argv: list[str]) -> tuple[Path, list[tuple[str, str, str]]]:
             i += 1
         i += 1
         if name == "config":
+            # Path("") is the current folder, which would be reported as a config file that is a folder.
+            if not text:
+                raise ConfigError(f"'{arg}' names no config file; write --config=FILE or --config FILE")
             config_path = Path(text)
         else:
             overrides.append((section, key, text))
@@ -52,6 +55,12 @@ def _read_toml(path: Path) -> dict[str, dict[str, Any]]:
         raise ConfigError(f"config file not found: {path}") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"cannot parse config file {path}: {e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"config file {path} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}); TOML files are UTF-8"
+        ) from None
+    except OSError as e:  # a folder, or a file this user may not read
+        raise ConfigError(f"cannot read config file {path}: {e.strerror or e}") from None
     for section, table in raw.items():
         if not isinstance(table, dict):
             if section in SECTIONS:
