@@ -145,6 +145,56 @@ def test_choice():
     assert "\"copy_digits\"" in error("--data.task=gsm8k")
 
 
+@pytest.mark.parametrize(
+    "override",
+    ["--optimizer.lr=inf", "--optimizer.lr=nan", "--rewards.weights=[nan]", "--rewards.weights=[inf]",
+     "--eval.correct_reward=nan", "--parallelism.collective_timeout_s=inf", "--generation.temperature=-inf"],
+)
+def test_non_finite_numbers_name_the_key(override):
+    key, _, value = override[2:].partition("=")
+    expected = "must hold finite numbers only" if value.startswith("[") else "must be a finite number"
+    assert error(override) == f"{key} = {value} {expected}"
+
+
+def test_non_finite_number_in_a_config_file(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text("[optimizer]\nlr = +inf\n")
+    assert error("--config", str(path)) == "optimizer.lr = inf must be a finite number"
+
+
+@pytest.mark.parametrize(
+    "template, why",
+    [
+        ("Q: {prompt} {foo}", "has the placeholder {foo}; only {prompt} and {system} are filled in"),
+        ("Q: {prompt} }", "is not a format string (Single '}' encountered in format string)"),
+        ("Q: {prompt} {", "is not a format string (Single '{' encountered in format string)"),
+        ("Q: {}", "has the placeholder {}; only {prompt} and {system} are filled in"),
+        ("Q: hello", "has no {prompt} placeholder: every prompt would render as the same text"),
+        ("Q: {system}", "has no {prompt} placeholder"),
+        ("Q: {prompt:d}", "cannot be filled in (Unknown format code 'd'"),
+    ],
+)
+def test_prompt_template_must_be_filled_by_prompt_and_system(template, why):
+    assert error(f"--data.prompt_template={template}").startswith(f'data.prompt_template = "{template}" {why}')
+
+
+def test_prompt_template_with_its_placeholders_and_literal_braces():
+    template = "{system}\nQ: {prompt} {{json}}"
+    assert load(f"--data.prompt_template={template}").data.prompt_template == template
+
+
+def test_format_pattern_must_compile():
+    assert error("--rewards.format_pattern=(<think>") == (
+        'rewards.format_pattern = "(<think>" is not a valid regex: missing ), unterminated subpattern at position 0'
+    )
+    assert load("--rewards.format_pattern=^<answer>.*</answer>$").rewards.format_pattern == "^<answer>.*</answer>$"
+
+
+def test_empty_output_dir():
+    assert error("--job.output_dir=") == 'job.output_dir = "" must name a folder (metrics, checkpoints and exports go there)'
+    assert error("--job.output_dir=  ").startswith('job.output_dir = "  " must name a folder')
+
+
 def test_group_size_one():
     assert error("--grpo.group_size=1").startswith("grpo.group_size = 1 must be >= 2")
 
@@ -319,12 +369,28 @@ def test_missing_and_malformed_file(tmp_path):
     assert error("--config", str(path)).startswith(f"cannot parse config file {path}")
 
 
+def test_config_that_is_a_folder_empty_or_not_utf8(tmp_path):
+    assert error(f"--config={tmp_path}") == f"cannot read config file {tmp_path}: Is a directory"
+    assert error("--config=") == "'--config=' names no config file; write --config=FILE or --config FILE"
+    assert error("--config", "") == "'--config' names no config file; write --config=FILE or --config FILE"
+    path = tmp_path / "latin1.toml"
+    path.write_bytes(b"\xff\xfe[job]\n")
+    assert error(f"--config={path}") == (
+        f"config file {path} is not UTF-8 text (byte 0xff at offset 0); TOML files are UTF-8"
+    )
+
+
 def test_model_path_and_data_path_go_together(tmp_path):
     assert error("--model.path=/models/qwen3").startswith("model.path and data.path go together")
     assert error(f"--data.path={tmp_path}").startswith("model.path and data.path go together")
     message = error(f"--model.path={tmp_path}", f"--data.path={tmp_path}")
     assert message == f"model.path = '{tmp_path}' has no config.json (expected an HF checkpoint folder)"
     (tmp_path / "config.json").write_text("{}")
+    assert error(f"--model.path={tmp_path}", f"--data.path={tmp_path}") == (
+        f"model.path = '{tmp_path}' has no model.safetensors or model.safetensors.index.json "
+        "(tandem reads the weights from safetensors)"
+    )
+    (tmp_path / "model.safetensors.index.json").write_text("{}")
     assert error(f"--model.path={tmp_path}", f"--data.path={tmp_path / 'missing.jsonl'}") == (
         f"data.path = '{tmp_path / 'missing.jsonl'}' does not exist"
     )
@@ -339,6 +405,7 @@ def test_gsm8k_recipe_validates_once_its_paths_are_filled(tmp_path):
     recipe = str(Path(__file__).resolve().parents[1] / "configs" / "qwen3_0.6b_gsm8k.toml")
     assert "model.path = '/path/to/Qwen3-0.6B' does not exist" in error("--config", recipe, world_size=8)
     (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"")
     data = tmp_path / "train.jsonl"
     data.write_text("")
     cfg = load("--config", recipe, f"--model.path={tmp_path}", f"--data.path={data}", world_size=8)

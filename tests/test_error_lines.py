@@ -114,6 +114,29 @@ def test_a_held_out_split_that_leaves_too_few_training_prompts_stops_at_start(ch
     assert not (run_dir / "metrics.jsonl").exists(), "found at start-up, before the step-0 evaluation"
 
 
+def test_a_data_file_too_small_to_hold_out_eval_prompts_names_the_key_and_the_file(checkpoint, tmp_path, capsys):
+    data = tmp_path / "one.jsonl"
+    data.write_text(json.dumps({"question": "What is 1 + 1?", "answer": "2"}) + "\n")
+    code = train_grpo.main([
+        *ONE_RANK, f"--model.path={checkpoint}", f"--data.path={data}", "--eval.num_prompts=2",
+        "--data.prompts_per_step=1", '--rewards.functions=["math_accuracy"]', f"--job.output_dir={tmp_path / 'run'}",
+    ])
+    err = capsys.readouterr().err
+    assert code == 1 and "Traceback" not in err
+    assert (
+        f"error: eval.num_prompts = 2 would hold out every prompt of {str(data)!r} (1 usable, 0 skipped as too long), "
+        "leaving none to train on; lower eval.num_prompts or add prompts" in err
+    )
+
+
+def test_an_empty_output_dir_is_a_config_error_that_writes_nothing(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert train_grpo.main([*ONE_RANK, "--job.output_dir="]) == 2
+    err = capsys.readouterr().err
+    assert 'config error: job.output_dir = "" must name a folder' in err and "Traceback" not in err
+    assert list(tmp_path.iterdir()) == [], "no lock or metrics in the folder the job started from"
+
+
 def test_a_second_ctrl_c_stops_at_once_in_one_line(tmp_path):
     args = [*ONE_RANK[:2], "--training.steps=100000", "--eval.num_prompts=4", "--model.dim=256", "--model.n_layers=4",
             "--model.ffn_dim=1024", "--data.prompts_per_step=64", "--rewards.num_workers=0", f"--job.output_dir={tmp_path}"]

@@ -4,10 +4,13 @@ process group exists and reported as one ConfigError line naming the key."""
 from __future__ import annotations
 
 import importlib.util
+import math
+import re
+import string
 from pathlib import Path
 
 from grpo.config.io import _did_you_mean, _toml_value
-from grpo.config.keys import CHOICES
+from grpo.config.keys import CHOICES, TYPES
 from grpo.config.launch_checks import check_bitwise, check_parallelism, check_train_attention, check_vllm
 from grpo.config.lora_checks import check_lora
 from grpo.config.require import require
@@ -19,6 +22,7 @@ from grpo.envs import BUILTIN_ENVIRONMENTS
 def validate_config(cfg: Config, world_size: int) -> None:
     """Raise ConfigError naming the first impossible setting, including rank-layout ones."""
     _check_choices(cfg)
+    _check_finite(cfg)
     _check_job(cfg)
     _check_paths(cfg)
     _check_model(cfg)
@@ -49,6 +53,22 @@ def _check_choices(cfg: Config) -> None:
             raise ConfigError(f"config key '{key}' must be one of {choices}; got {_toml_value(value)}")
 
 
+def _check_finite(cfg: Config) -> None:
+    """Every float setting: inf passes checks such as "> 0" and nan fails them with the wrong reason,
+    and either one turns the run's weights, rewards or timeouts into nonsense."""
+    for section, keys in TYPES.items():
+        for name, typ in keys.items():
+            value = getattr(getattr(cfg, section), name)
+            if typ is float:
+                require(math.isfinite(value), f"{section}.{name}", value, "must be a finite number")
+            elif typ == list[float]:
+                require(all(map(math.isfinite, value)), f"{section}.{name}", value, "must hold finite numbers only")
+
+
+# What model/hf.py reads an HF checkpoint's weights from: one file, or the index of its shards.
+_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
+
+
 def _check_paths(cfg: Config) -> None:
     """model.path and data.path: present together, existing, of the right kind."""
     m = cfg.model
@@ -62,6 +82,10 @@ def _check_paths(cfg: Config) -> None:
         raise ConfigError(f"model.path = {m.path!r} does not exist")
     if m.path and not (Path(m.path) / "config.json").is_file():
         raise ConfigError(f"model.path = {m.path!r} has no config.json (expected an HF checkpoint folder)")
+    if m.path and not any((Path(m.path) / name).is_file() for name in _WEIGHT_FILES):
+        raise ConfigError(
+            f"model.path = {m.path!r} has no {' or '.join(_WEIGHT_FILES)} (tandem reads the weights from safetensors)"
+        )
     if is_gym_path(cfg.data.path):
         try:
             check_gym_config(cfg.data.path, cfg.data.reasoning_gym)
@@ -100,6 +124,31 @@ def _check_data(cfg: Config) -> None:
     require(d.digits_min <= d.digits_max, "data.digits_min", d.digits_min, digits_why)
     require(not d.response_prefix or bool(d.path), "data.response_prefix", d.response_prefix,
             "needs data.path: the built-in task's prompts are not rendered from text")
+    problem = _template_problem(d.prompt_template) if d.prompt_template else ""
+    require(not problem, "data.prompt_template", d.prompt_template, problem)
+
+
+# The placeholders render_prompt (grpo/data/files.py) fills in a data.prompt_template.
+_TEMPLATE_FIELDS = ("prompt", "system")
+
+
+def _template_problem(template: str) -> str:
+    """Why render_prompt could not fill `template` with one record's text, or "" when it can."""
+    braces = "write a literal brace as {{ or }}"
+    try:
+        fields = [name for _, name, _, _ in string.Formatter().parse(template) if name is not None]
+    except ValueError as error:
+        return f"is not a format string ({error}); {braces}"
+    unknown = [name for name in fields if name not in _TEMPLATE_FIELDS]
+    if unknown:
+        return f"has the placeholder {{{unknown[0]}}}; only {{prompt}} and {{system}} are filled in ({braces})"
+    if "prompt" not in fields:
+        return "has no {prompt} placeholder: every prompt would render as the same text"
+    try:
+        template.format(prompt="", system="")
+    except (ValueError, KeyError, IndexError) as error:  # a bad conversion or format spec, e.g. {prompt:d}
+        return f"cannot be filled in ({error}); {braces}"
+    return ""
 
 
 def _check_generation(cfg: Config) -> None:
@@ -185,6 +234,11 @@ def _check_rewards(cfg: Config) -> None:
     )
     require(r.timeout_s > 0, "rewards.timeout_s", r.timeout_s, "must be > 0")
     require(r.num_workers >= -1, "rewards.num_workers", r.num_workers, "must be >= 0, or -1 (sized from the host's cores)")
+    # Compiled as format_reward compiles it: a bad pattern is found now, not on the first scored episode.
+    try:
+        re.compile(r.format_pattern, re.DOTALL)
+    except re.error as error:
+        raise ConfigError(f"rewards.format_pattern = {_toml_value(r.format_pattern)} is not a valid regex: {error}") from None
     # math_accuracy imports math_verify on its first call, in a worker: found missing here, before any work.
     if "math_accuracy" in r.functions and importlib.util.find_spec("math_verify") is None:
         raise ConfigError("rewards.functions names math_accuracy, which needs the math-verify package "
@@ -307,7 +361,10 @@ def _check_metrics(cfg: Config) -> None:
 
 
 def _check_job(cfg: Config) -> None:
-    """[job]: a device that is there."""
+    """[job]: an output folder, and a device that is there."""
+    # "" would put the run's lock, metrics and checkpoints in whatever folder the job starts from.
+    require(bool(cfg.job.output_dir.strip()), "job.output_dir", cfg.job.output_dir,
+            "must name a folder (metrics, checkpoints and exports go there)")
     if cfg.job.device == "cuda":
         # Imported only for this key: reading a config loads no torch otherwise.
         import torch

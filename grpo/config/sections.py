@@ -106,7 +106,8 @@ class DataConfig:
     # text the model's answer starts with, appended to each prompt after the generation prompt (no loss; the completion
     # continues it), e.g. the opening of a tool call; needs data.path
     response_prefix: str = ""
-    # prompt layout with a {prompt} placeholder (and {system}); "" = the tokenizer's chat template
+    # prompt layout, a format string with a {prompt} placeholder (and optionally {system}; a literal brace is {{ or }});
+    # "" = the tokenizer's chat template
     prompt_template: str = ""
     # chat templates with a thinking switch (Qwen3): "default" leaves it alone, "on" / "off" set it
     enable_thinking: Thinking = "default"
