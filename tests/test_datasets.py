@@ -166,6 +166,14 @@ def test_record_errors(tmp_path):
         assert "\n" not in str(info.value)
 
 
+def test_jsonl_may_open_with_a_byte_order_mark(tmp_path):
+    marked = tmp_path / "bom.jsonl"
+    marked.write_text('{"question": "q1", "answer": "a1"}\n{"question": "q2", "answer": 2}\n', encoding="utf-8-sig")
+    assert marked.read_bytes().startswith(b"\xef\xbb\xbf")
+    records = [(r["text"], r["answer"], r["source"]) for r in read_records(marked)]
+    assert records == [("q1", "a1", f"{marked}:1"), ("q2", "2", f"{marked}:2")]
+
+
 # --- PromptDataset -------------------------------------------------------------------------------
 
 

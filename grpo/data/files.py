@@ -79,7 +79,8 @@ def _read_jsonl(file: Path, prompt_field: str, answer_field: str) -> list[dict]:
     with open(file, "rb") as handle:
         for line_number, raw in enumerate(handle, start=1):
             try:
-                line = raw.decode("utf-8")
+                # Some editors (Notepad, Excel exports) open a UTF-8 file with a byte-order mark.
+                line = raw.decode("utf-8-sig" if line_number == 1 else "utf-8")
             except UnicodeDecodeError as error:
                 raise ValueError(
                     f"{file} line {line_number} is not UTF-8 text (byte 0x{raw[error.start]:02x} at column {error.start + 1})"

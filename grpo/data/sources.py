@@ -85,11 +85,22 @@ class FileSource(_DatasetSource):
             tokenizer,
             prompt_field=d.prompt_field,
             answer_field=d.answer_field,
-            num_held_out=cfg.eval.num_prompts,
             **_render_options(cfg),
         )
-        self.eval_prompts = self.dataset.eval_prompts
+        self.eval_prompts = self._hold_out(cfg)
         self._check_enough(cfg)
+
+    def _hold_out(self, cfg: Config) -> list[Prompt]:
+        """eval.num_prompts of the file's prompts, refused in words naming the key and the file
+        where none would be left to train on."""
+        n, usable = cfg.eval.num_prompts, len(self.dataset.prompts)
+        if n >= usable:
+            raise ValueError(
+                f"eval.num_prompts = {n} would hold out every prompt of {cfg.data.path!r} ({usable} usable, "
+                f"{self.dataset.num_skipped} skipped as too long), leaving none to train on; lower eval.num_prompts "
+                "or add prompts"
+            )
+        return self.dataset.held_out(n)
 
 
 class GymSource(_DatasetSource):
