@@ -17,7 +17,7 @@ from tests.test_resume import start, wait_for_step
 FIXTURES = "tests.fixtures.slow_rewards"
 
 
-def test_non_finite_updates_are_skipped_then_the_run_stops_with_the_last_good_state(tmp_path):
+def test_non_finite_updates_are_skipped_then_the_run_stops_with_the_last_applied_update(tmp_path):
     """From the third step on every update is NaN: steps 3 and 4 skip theirs (logged), and with
     training.max_bad_steps = 2 the run stops after step 4, saving weights equal to those after step 2."""
     result = subprocess.run(
@@ -33,7 +33,8 @@ def test_non_finite_updates_are_skipped_then_the_run_stops_with_the_last_good_st
     checkpoint = tmp_path / "checkpoints" / "step_4"
     assert lines[-1] == (
         "error: 2 steps in a row (up to step 4) had a non-finite loss or gradient norm (training.max_bad_steps = 2); "
-        f"their updates were skipped, so {checkpoint} holds the last good weights"
+        f"their updates were skipped, so {checkpoint} holds the weights of step 2, the last update applied (if that "
+        "update is what broke the run, resume from an earlier checkpoint with a lower optimizer.lr)"
     )
     rows = metrics(tmp_path)
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]

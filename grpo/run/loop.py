@@ -213,7 +213,8 @@ def _diverged(cfg: Config, bad_steps: int, step: int, saved: Path) -> TrainingDi
     return TrainingDiverged(
         f"{bad_steps} steps in a row (up to step {step}) had a non-finite loss or gradient norm "
         f"(training.max_bad_steps = {cfg.training.max_bad_steps}); their updates were skipped, "
-        f"so {saved} holds the last good weights"
+        f"so {saved} holds the weights of step {step - bad_steps}, the last update applied (if that update is what "
+        f"broke the run, resume from an earlier checkpoint with a lower optimizer.lr)"
     )
 
 
