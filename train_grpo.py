@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from grpo.config import Config, ConfigError, load_config, write_resolved_config
+from grpo.config import Config, ConfigError, load_config, record_config
 from grpo.distributed import error_report
 from grpo.distributed.faults import GracefulStop, PeerLost, is_connection_lost, peer_lost, restart_count
 from grpo.distributed.preflight import check_output_dir, check_shared_output_dir, take_output_lock
@@ -31,7 +31,7 @@ from grpo.run.loop import run_loop
 from grpo.run.rank import Run, RunAborted
 from grpo.scoring.pool import auto_pool_size
 from grpo.scoring.scorer import Scorer
-from grpo.train.checkpoint_folders import find_resume
+from grpo.train.checkpoint_folders import find_resume, saved_step
 from model import batch_invariant
 from model.attention import set_packed_kernel
 
@@ -143,7 +143,10 @@ def run(cfg: Config, stop: GracefulStop) -> None:
             try:
                 job = Run(cfg, device, roles, scorer, resume)
                 if is_leader:
-                    write_resolved_config(cfg, Path(cfg.job.output_dir) / "config.toml")
+                    note = record_config(cfg, Path(cfg.job.output_dir) / "config.toml",
+                                         None if resume is None else saved_step(resume))
+                    if note:
+                        print(f"warning: {note}", file=sys.stderr, flush=True)
                 run_loop(cfg, job, resume, stop)
                 # Leave together: no rank tears its process groups down while the leader still writes
                 # the report and its last lines.

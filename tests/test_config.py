@@ -13,7 +13,7 @@ from grpo.config import (
     ConfigError,
     config_to_toml,
     load_config,
-    write_resolved_config,
+    record_config,
 )
 
 
@@ -324,15 +324,39 @@ def test_resolved_config_round_trip(tmp_path):
         "--job.deterministic=true",
     )
     path = tmp_path / "out" / "config.toml"
-    write_resolved_config(cfg, path)
+    record_config(cfg, path, None)
     assert path.read_text(encoding="utf-8") == config_to_toml(cfg)
     assert load("--config", str(path)) == cfg
     assert load(f"--config={path}") == cfg
 
 
+def test_a_resume_with_other_settings_keeps_the_earlier_record_and_names_the_changes(tmp_path):
+    """config.toml records the latest launch; a resume whose settings differ renames the earlier
+    record config.until_step_N.toml (-2, -3, ... when taken) and says which keys changed."""
+    path = tmp_path / "config.toml"
+    first = load("--optimizer.lr=1e-6")
+    assert record_config(first, path, None) == ""
+    assert record_config(first, path, 4) == ""  # same settings: nothing to keep
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.toml"]
+
+    changed = load("--optimizer.lr=1e-5", "--grpo.group_size=4", "--training.steps=150")
+    note = record_config(changed, path, 4)
+    kept = tmp_path / "config.until_step_4.toml"
+    assert note == (f"resuming with changed settings (grpo.group_size 16 -> 4, optimizer.lr 1e-06 -> 1e-05); "
+                    f"the earlier config.toml is kept as {kept}")
+    assert kept.read_text(encoding="utf-8") == config_to_toml(first)
+    assert path.read_text(encoding="utf-8") == config_to_toml(changed)
+
+    path.write_bytes(b"\xff not toml")
+    note = record_config(first, path, 4)
+    assert note.startswith("resuming with changed settings (the earlier config.toml could not be read)")
+    assert (tmp_path / "config.until_step_4-2.toml").read_bytes() == b"\xff not toml"
+    assert record_config(first, tmp_path / "fresh" / "config.toml", None) == ""
+
+
 def test_default_round_trip(tmp_path):
     path = tmp_path / "config.toml"
-    write_resolved_config(Config(), path)
+    record_config(Config(), path, None)
     assert load("--config", str(path)) == Config()
 
 

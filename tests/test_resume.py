@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import time
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -202,13 +203,18 @@ def test_run_state_records_where_the_run_is(tmp_path):
 
 def test_an_async_run_that_finished_resumes_with_more_steps(tmp_path):
     """A finished async run holds no batches past its last step; extended, it generates them at
-    resume (and says so), and every later step trains on a whole batch."""
+    resume (and says so), and every later step trains on a whole batch. The earlier launch's
+    config.toml is kept, and the changed setting named."""
     options = [*RESUME, *MODES["async"], f"--job.output_dir={tmp_path}"]
     first = launch([*options, "--training.steps=3"], nproc=2)
     assert first.returncode == 0, first.stderr[-3000:]
     more = launch([*options, "--training.steps=5"], nproc=2)
     assert more.returncode == 0, more.stderr[-3000:]
     assert "the batch of step 4 is generated now, by the weights of step 3" in more.stdout
+    kept = tmp_path / "config.until_step_3.toml"
+    assert (f"warning: resuming with changed settings (training.steps 3 -> 5); the earlier config.toml is kept as "
+            f"{kept}") in more.stderr
+    assert tomllib.loads(kept.read_text(encoding="utf-8"))["training"]["steps"] == 3
     rows = {r["step"]: r for r in metrics(tmp_path)}
     assert sorted(rows) == [0, 1, 2, 3, 4, 5]  # step 0: the first evaluation
     assert all(rows[step]["throughput/train_tok_s"] > 0 for step in (4, 5))

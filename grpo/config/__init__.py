@@ -1,7 +1,7 @@
 """Run configuration: the sections (sections.py) and their keys (keys.py), TOML files and
-`--section.key=value` overrides in and out (io.py), and validation (checks.py), which finds every
-impossible setting, the rank layout included, before any process group exists. Importing this
-package loads no torch.
+`--section.key=value` overrides in and out (io.py), the run folder's record of them (record.py),
+and validation (checks.py), which finds every impossible setting, the rank layout included, before
+any process group exists. Importing this package loads no torch.
 
 `load_config` is the one entry point: a bad setting fails on every rank with the same one-line
 `ConfigError` before any collective is issued.
@@ -11,8 +11,9 @@ import os
 import sys
 
 from grpo.config.checks import validate_config
-from grpo.config.io import _build_section, _parse_argv, _parse_cli_value, _read_toml, config_to_toml, write_resolved_config
+from grpo.config.io import _build_section, _parse_argv, _parse_cli_value, _read_toml, config_to_toml
 from grpo.config.keys import SECTIONS, TYPES
+from grpo.config.record import record_config
 from grpo.config.sections import (
     ASYNC_TIS_CAP,
     AUTO_TIS_CAP,
@@ -40,7 +41,7 @@ __all__ = [
     "DataConfig", "EnvConfig", "EvalConfig", "GRPOConfig", "GenerationConfig", "JobConfig", "LoRAConfig",
     "MetricsConfig", "ModelConfig",
     "OptimizerConfig", "ParallelismConfig", "RewardsConfig", "TrainingConfig", "config_to_toml", "load_config",
-    "validate_config", "write_resolved_config",
+    "record_config", "validate_config",
 ]
 
 

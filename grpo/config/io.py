@@ -147,13 +147,6 @@ def config_to_toml(cfg: Config) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_resolved_config(cfg: Config, path: str | Path) -> None:
-    """Write `config_to_toml(cfg)` to `path`, creating its folder."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(config_to_toml(cfg), encoding="utf-8")
-
-
 # TOML basic-string escapes; other control characters (and DEL) become \uXXXX
 _TOML_ESCAPES = {'"': '\\"', "\\": "\\\\", "\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f", "\r": "\\r"}
 
