@@ -13,6 +13,8 @@ from grpo.config.sections import Config
 
 # Changed keys named in the line; the rest are counted.
 _NAMED_CHANGES = 6
+# A key one of the two records lacks (a setting added or removed between versions).
+_MISSING = object()
 
 
 def record_config(cfg: Config, path: str | Path, resumed_step: int | None) -> str:
@@ -48,9 +50,6 @@ def _changes(earlier: bytes, text: str) -> str:
     if len(changed) > _NAMED_CHANGES:
         changed = changed[:_NAMED_CHANGES] + [f"{len(changed) - _NAMED_CHANGES} more"]
     return ", ".join(changed) or "only its layout"
-
-
-_MISSING = object()
 
 
 def _flat(tables: dict[str, Any]) -> dict[str, Any]:
