@@ -97,36 +97,28 @@ def checkpoint(tmp_path_factory) -> Path:
     return build_checkpoint(tmp_path_factory.mktemp("hf") / "tiny")
 
 
-def test_a_held_out_split_that_leaves_too_few_training_prompts_stops_at_start(checkpoint, tmp_path, capsys):
-    data = tmp_path / "twelve.jsonl"
-    data.write_text("".join(json.dumps({"question": f"What is {i} + 1?", "answer": str(i + 1)}) + "\n" for i in range(12)))
+@pytest.mark.parametrize("records, held_out, per_step, left", [(12, 10, 4, 2), (1, 2, 1, 0)],
+                         ids=["too-few-left", "too-small-to-hold-out"])
+def test_a_held_out_split_that_leaves_too_few_training_prompts_stops_at_start(
+    records, held_out, per_step, left, checkpoint, tmp_path, capsys
+):
+    """Also a file smaller than eval.num_prompts: the same line, naming the file and both keys."""
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"question": f"What is {i} + 1?", "answer": str(i + 1)}) + "\n"
+                            for i in range(records)))
     run_dir = tmp_path / "run"
     code = train_grpo.main([
-        *ONE_RANK, f"--model.path={checkpoint}", f"--data.path={data}", "--eval.num_prompts=10",
-        "--data.prompts_per_step=4", '--rewards.functions=["math_accuracy"]', f"--job.output_dir={run_dir}",
+        *ONE_RANK, f"--model.path={checkpoint}", f"--data.path={data}", f"--eval.num_prompts={held_out}",
+        f"--data.prompts_per_step={per_step}", '--rewards.functions=["math_accuracy"]', f"--job.output_dir={run_dir}",
     ])
     err = capsys.readouterr().err
     assert code == 1 and "Traceback" not in err
     assert (
-        f"error: {str(data)!r} leaves 2 training prompts (eval.num_prompts = 10 held out, 0 skipped as too long), "
-        "fewer than data.prompts_per_step = 4" in err
+        f"error: {str(data)!r} leaves {left} training prompts (eval.num_prompts = {held_out} held out, 0 skipped as "
+        f"too long), fewer than data.prompts_per_step = {per_step}; lower eval.num_prompts or data.prompts_per_step, "
+        "or add prompts" in err
     )
     assert not (run_dir / "metrics.jsonl").exists(), "found at start-up, before the step-0 evaluation"
-
-
-def test_a_data_file_too_small_to_hold_out_eval_prompts_names_the_key_and_the_file(checkpoint, tmp_path, capsys):
-    data = tmp_path / "one.jsonl"
-    data.write_text(json.dumps({"question": "What is 1 + 1?", "answer": "2"}) + "\n")
-    code = train_grpo.main([
-        *ONE_RANK, f"--model.path={checkpoint}", f"--data.path={data}", "--eval.num_prompts=2",
-        "--data.prompts_per_step=1", '--rewards.functions=["math_accuracy"]', f"--job.output_dir={tmp_path / 'run'}",
-    ])
-    err = capsys.readouterr().err
-    assert code == 1 and "Traceback" not in err
-    assert (
-        f"error: eval.num_prompts = 2 would hold out every prompt of {str(data)!r} (1 usable, 0 skipped as too long), "
-        "leaving none to train on; lower eval.num_prompts or add prompts" in err
-    )
 
 
 def test_an_empty_output_dir_is_a_config_error_that_writes_nothing(tmp_path, capsys, monkeypatch):

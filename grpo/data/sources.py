@@ -62,11 +62,11 @@ class _DatasetSource:
     def train_prompts(self, step: int, count: int, round_index: int = 0) -> list[Prompt]:
         return self.dataset.batch(step - 1, count, round_index)
 
-    def _check_enough(self, cfg: Config) -> None:
-        """A step's batch must fit in the training prompts: found now, not after the first evaluation."""
-        d, left = cfg.data, len(self.dataset)
+    def _check_enough(self, cfg: Config, left: int) -> None:
+        """A step's batch must fit in the `left` training prompts: found now, not after the first evaluation."""
+        d = cfg.data
         if left < d.prompts_per_step:
-            held = f"eval.num_prompts = {cfg.eval.num_prompts} held out, " if self.eval_prompts else ""
+            held = f"eval.num_prompts = {cfg.eval.num_prompts} held out, " if cfg.eval.num_prompts else ""
             raise ValueError(
                 f"{d.path!r} leaves {left} training prompts ({held}{self.dataset.num_skipped} skipped as too "
                 f"long), fewer than data.prompts_per_step = {d.prompts_per_step}; lower eval.num_prompts "
@@ -87,20 +87,9 @@ class FileSource(_DatasetSource):
             answer_field=d.answer_field,
             **_render_options(cfg),
         )
-        self.eval_prompts = self._hold_out(cfg)
-        self._check_enough(cfg)
-
-    def _hold_out(self, cfg: Config) -> list[Prompt]:
-        """eval.num_prompts of the file's prompts, refused in words naming the key and the file
-        where none would be left to train on."""
-        n, usable = cfg.eval.num_prompts, len(self.dataset.prompts)
-        if n >= usable:
-            raise ValueError(
-                f"eval.num_prompts = {n} would hold out every prompt of {cfg.data.path!r} ({usable} usable, "
-                f"{self.dataset.num_skipped} skipped as too long), leaving none to train on; lower eval.num_prompts "
-                "or add prompts"
-            )
-        return self.dataset.held_out(n)
+        # Checked before holding out: a file too small to hold them out gets the same line.
+        self._check_enough(cfg, max(0, len(self.dataset.prompts) - cfg.eval.num_prompts))
+        self.eval_prompts = self.dataset.held_out(cfg.eval.num_prompts)
 
 
 class GymSource(_DatasetSource):
@@ -124,4 +113,4 @@ class GymSource(_DatasetSource):
             dataclasses.replace(p, index=-(i + 1))
             for i, p in enumerate(PromptDataset(held_out, tokenizer, **render).prompts)
         ]
-        self._check_enough(cfg)
+        self._check_enough(cfg, len(self.dataset))
