@@ -110,9 +110,9 @@ def _first_sync(cfg: Config, run: Run, logger: MetricsLogger, start_step: int, r
     if is_leader:
         logger.say(f"weights to the generators: {run.weights.full_bytes / 1e9:.3g} GB in {full_sync_s:.2f} s; "
                    f"then {run.weights.step_bytes / 1e9:.3g} GB after each step")
-    if start_step >= cfg.training.steps and start_step and is_leader:
-        print(f"nothing to do: {resume} is at step {start_step} of training.steps = {cfg.training.steps}", flush=True)
     if start_step:
+        if start_step >= cfg.training.steps and is_leader:
+            print(f"nothing to do: {resume} is at step {start_step} of training.steps = {cfg.training.steps}", flush=True)
         return None
     first = evaluate(run)
     trained, total = run.parameter_counts
