@@ -22,6 +22,16 @@ class UnsupportedModelError(TandemError, ValueError):
     """An HF config asks for something the native model does not implement."""
 
 
+class HFConfigError(TandemError, ValueError):
+    """An HF config.json that does not describe a model: not a JSON object, or a shape key missing or not a
+    positive integer."""
+
+
+# The shape keys the native model reads, required and optional (each a positive integer where present).
+_REQUIRED_INT_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+_OPTIONAL_INT_KEYS = ("num_key_value_heads", "head_dim", "max_position_embeddings")
+
+
 @dataclass
 class ModelArgs:
     """Shape and numerics of a decoder-only transformer (Qwen3 / Llama 3 / Qwen2)."""
@@ -63,8 +73,11 @@ class ModelArgs:
     eos_token_id: int | list[int] | None = None
 
     @classmethod
-    def from_hf_config(cls, config: dict[str, Any]) -> ModelArgs:
-        """Build from the dict of an HF config.json; refuses what the native model cannot run."""
+    def from_hf_config(cls, config: dict[str, Any], source: str = "config.json") -> ModelArgs:
+        """Build from the dict of an HF config.json (named `source` in errors); refuses what the
+        native model cannot run (UnsupportedModelError) and a malformed shape (HFConfigError)."""
+        if not isinstance(config, dict):
+            raise HFConfigError(f"{source} holds a JSON {type(config).__name__}, not an object of model settings")
         architectures = config.get("architectures") or []
         arch_name = architectures[0] if architectures else None
         if arch_name not in SUPPORTED_ARCHITECTURES:
@@ -81,6 +94,7 @@ class ModelArgs:
         hidden_act = config.get("hidden_act", "silu")
         if hidden_act != "silu":
             raise UnsupportedModelError(f"hidden_act {hidden_act!r} is not supported; only 'silu' (SwiGLU)")
+        _check_shape_keys(config, source)
         rope_theta, rope_type, rope_scaling = _read_rope(config)
         n_heads = config["num_attention_heads"]
         return cls(
@@ -110,7 +124,11 @@ class ModelArgs:
         config_path = Path(path) / "config.json"
         if not config_path.is_file():
             raise FileNotFoundError(f"no config.json in checkpoint folder {str(path)!r}")
-        return cls.from_hf_config(json.loads(config_path.read_text()))
+        try:
+            config = json.loads(config_path.read_text(encoding="utf-8"))
+        except (ValueError, UnicodeDecodeError) as error:
+            raise HFConfigError(f"{str(config_path)!r} is not valid JSON: {error}") from None
+        return cls.from_hf_config(config, source=repr(str(config_path)))
 
     def to_hf_config(self) -> dict[str, Any]:
         """An HF config.json dict (older top-level rope_theta / rope_scaling form, read by transformers 4.x and 5.x)."""
@@ -155,6 +173,26 @@ class ModelArgs:
         layer = attn + 3 * self.dim * self.ffn_dim + 2 * self.dim
         embeddings = self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
         return self.n_layers * layer + embeddings + self.dim
+
+
+def _check_shape_keys(config: dict[str, Any], source: str) -> None:
+    """Raise HFConfigError unless the shape keys of `config` are positive integers, its norm epsilon
+    a small positive number and its query heads split evenly over its K/V heads."""
+    missing = [key for key in _REQUIRED_INT_KEYS if key not in config]
+    if missing:
+        raise HFConfigError(f"{source} lacks {', '.join(map(repr, missing))}, which the model's shape is read from")
+    for key in (*_REQUIRED_INT_KEYS, *_OPTIONAL_INT_KEYS):
+        value = config.get(key)
+        if key in _OPTIONAL_INT_KEYS and value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise HFConfigError(f"{source}: {key} = {value!r} must be a positive integer")
+    eps = config.get("rms_norm_eps", 1e-6)
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < 1:
+        raise HFConfigError(f"{source}: rms_norm_eps = {eps!r} must be a number between 0 and 1")
+    heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
+    if heads % kv_heads:
+        raise HFConfigError(f"{source}: num_attention_heads = {heads} is not a multiple of num_key_value_heads = {kv_heads}")
 
 
 def _read_rope(config: dict[str, Any]) -> tuple[float, str, dict[str, float]]:

@@ -1,5 +1,6 @@
 import dataclasses
 import importlib.util
+import json
 import re
 import sys
 import tomllib
@@ -420,15 +421,51 @@ def test_model_path_and_data_path_go_together(tmp_path):
     )
 
 
+def _qwen3_config(**changes) -> dict:
+    from model.args import ModelArgs
+
+    return {**ModelArgs(n_heads=4, n_kv_heads=2).to_hf_config(), **changes}
+
+
+@pytest.mark.parametrize(
+    "config_text, expected",
+    [
+        ("{not json", "'{path}' is not valid JSON: Expecting property name enclosed in double quotes: line 1 column 2 (char 1)"),
+        ("[1, 2]", "'{path}' holds a JSON list, not an object of model settings"),
+        (json.dumps({k: v for k, v in _qwen3_config().items() if k not in ("vocab_size", "intermediate_size")}),
+         "'{path}' lacks 'vocab_size', 'intermediate_size', which the model's shape is read from"),
+        (json.dumps(_qwen3_config(num_attention_heads="16")), "'{path}': num_attention_heads = '16' must be a positive integer"),
+        (json.dumps(_qwen3_config(num_hidden_layers=0)), "'{path}': num_hidden_layers = 0 must be a positive integer"),
+        (json.dumps(_qwen3_config(head_dim=True)), "'{path}': head_dim = True must be a positive integer"),
+        (json.dumps(_qwen3_config(rms_norm_eps="1e-6")), "'{path}': rms_norm_eps = '1e-6' must be a number between 0 and 1"),
+        (json.dumps(_qwen3_config(num_key_value_heads=3)),
+         "'{path}': num_attention_heads = 4 is not a multiple of num_key_value_heads = 3"),
+        (json.dumps(_qwen3_config(architectures=["GPT2LMHeadModel"])),
+         "model.path = '{folder}': unsupported architecture 'GPT2LMHeadModel'; "
+         "supported: Qwen3ForCausalLM, LlamaForCausalLM, Qwen2ForCausalLM"),
+    ],
+)
+def test_a_checkpoint_config_the_model_cannot_read_is_one_config_line(tmp_path, config_text, expected):
+    """Read before any rank starts, where it would otherwise stop the tokenizer or the model's build with a traceback."""
+    (tmp_path / "config.json").write_text(config_text)
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    data = tmp_path / "train.jsonl"
+    data.write_text("")
+    message = error(f"--model.path={tmp_path}", f"--data.path={data}")
+    assert message == expected.format(path=tmp_path / "config.json", folder=tmp_path)
+
+
 def test_completion_budget_must_hold_the_answer():
     message = error("--generation.max_new_tokens=3")
     assert message.startswith("generation.max_new_tokens = 3 cannot hold the longest answer of the built-in task")
 
 
 def test_gsm8k_recipe_validates_once_its_paths_are_filled(tmp_path):
+    from model.args import ModelArgs
+
     recipe = str(Path(__file__).resolve().parents[1] / "configs" / "qwen3_0.6b_gsm8k.toml")
     assert "model.path = '/path/to/Qwen3-0.6B' does not exist" in error("--config", recipe, world_size=8)
-    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "config.json").write_text(json.dumps(ModelArgs().to_hf_config()))
     (tmp_path / "model.safetensors").write_bytes(b"")
     data = tmp_path / "train.jsonl"
     data.write_text("")

@@ -59,6 +59,26 @@ def test_load_hf_tokenizer_errors(tmp_path):
         load_hf_tokenizer(tmp_path)
 
 
+def test_any_error_loading_the_tokenizer_is_one_line_naming_the_folder(tokenizer_dir, monkeypatch):
+    """transformers and huggingface_hub raise errors of their own classes for a bad folder; one announces
+    its cause on its second line."""
+    import transformers
+
+    class ForeignValidationError(Exception):
+        pass
+
+    def refuse(*args, **kwargs):
+        raise ForeignValidationError("Class validation error for validator 'x':\n    ValueError: 32 layers, 2 types\n  more")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", refuse)
+    with pytest.raises(ValueError) as info:
+        load_hf_tokenizer(tokenizer_dir)
+    assert str(info.value) == (
+        f"could not load the tokenizer in {str(tokenizer_dir)!r}: "
+        "Class validation error for validator 'x': ValueError: 32 layers, 2 types"
+    )
+
+
 # --- rendering -----------------------------------------------------------------------------------
 
 

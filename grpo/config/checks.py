@@ -70,7 +70,7 @@ _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 
 
 def _check_paths(cfg: Config) -> None:
-    """model.path and data.path: present together, existing, of the right kind."""
+    """model.path and data.path: present together, existing, of the right kind; the checkpoint's config.json readable."""
     m = cfg.model
     if bool(m.path) != bool(cfg.data.path):
         raise ConfigError(
@@ -100,6 +100,21 @@ def _check_paths(cfg: Config) -> None:
             "grpo.dynamic_sampling with data.path is not supported yet (extra rounds could redraw a "
             "prompt of the same step); use it with the built-in tasks"
         )
+    if m.path:
+        _check_model_config(m.path)
+
+
+def _check_model_config(path: str) -> None:
+    """The checkpoint's config.json, read as the native model reads it, before any rank starts."""
+    # Imported here: torch loads only for a run that names a checkpoint.
+    from model.args import HFConfigError, ModelArgs, UnsupportedModelError
+
+    try:
+        ModelArgs.from_hf_dir(path)
+    except HFConfigError as error:
+        raise ConfigError(str(error)) from None
+    except UnsupportedModelError as error:
+        raise ConfigError(f"model.path = {path!r}: {error}") from None
 
 
 def _check_model(cfg: Config) -> None:

@@ -97,7 +97,15 @@ def load_hf_tokenizer(path: str | Path) -> HFTokenizer:
         raise ValueError(f"no tokenizer in {str(folder)!r}: expected one of {', '.join(_TOKENIZER_FILES)}")
     try:
         hf = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise ValueError(f"could not load the tokenizer in {str(folder)!r}: {first_line}") from error
+    except Exception as error:  # transformers and huggingface_hub raise many classes for a bad folder
+        raise ValueError(f"could not load the tokenizer in {str(folder)!r}: {_summary(error)}") from error
     return HFTokenizer(hf, folder)
+
+
+def _summary(error: Exception) -> str:
+    """The error's message on one line: its first line, and the next one too where the first only
+    announces it (huggingface_hub's validation errors end their first line with a colon)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    if not lines:
+        return type(error).__name__
+    return " ".join(lines[:2]) if lines[0].endswith(":") and len(lines) > 1 else lines[0]
