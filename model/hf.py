@@ -38,6 +38,8 @@ _TOP_KEYS = {
     "lm_head.weight": "output.weight",
 }
 _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
+# Where a checkpoint folder keeps its weights: one file, or the index of its shards.
+WEIGHTS_FILE, WEIGHTS_INDEX = "model.safetensors", "model.safetensors.index.json"
 
 
 class CheckpointError(TandemError, ValueError):
@@ -64,14 +66,14 @@ def native_to_hf_key(native_key: str) -> str:
 
 
 def _checkpoint_files(path: Path) -> list[Path]:
-    index = path / "model.safetensors.index.json"
+    index = path / WEIGHTS_INDEX
     if index.is_file():
         weight_map = json.loads(index.read_text())["weight_map"]
         files = [path / name for name in sorted(set(weight_map.values()))]
-    elif (path / "model.safetensors").is_file():
-        files = [path / "model.safetensors"]
+    elif (path / WEIGHTS_FILE).is_file():
+        files = [path / WEIGHTS_FILE]
     else:
-        raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {str(path)!r}")
+        raise FileNotFoundError(f"no {WEIGHTS_FILE} or {WEIGHTS_INDEX} in {str(path)!r}")
     for file in files:
         if not file.is_file():
             raise FileNotFoundError(f"checkpoint shard {str(file)!r} listed in the index is missing")
@@ -159,7 +161,7 @@ def save_hf(
     config["torch_dtype"] = str(next(iter(shards[0].values())).dtype).removeprefix("torch.")
     (path / "config.json").write_text(json.dumps(config, indent=2))
     if len(shards) == 1:
-        save_file(shards[0], str(path / "model.safetensors"), metadata={"format": "pt"})
+        save_file(shards[0], str(path / WEIGHTS_FILE), metadata={"format": "pt"})
         return
     weight_map = {}
     for i, shard in enumerate(shards):
@@ -168,4 +170,4 @@ def save_hf(
         weight_map.update({key: name for key in shard})
     total = sum(t.numel() * t.element_size() for shard in shards for t in shard.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    (path / WEIGHTS_INDEX).write_text(json.dumps(index, indent=2))

@@ -65,10 +65,6 @@ def _check_finite(cfg: Config) -> None:
                 require(all(map(math.isfinite, value)), f"{section}.{name}", value, "must hold finite numbers only")
 
 
-# What model/hf.py reads an HF checkpoint's weights from: one file, or the index of its shards.
-_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
-
-
 def _check_paths(cfg: Config) -> None:
     """model.path and data.path: present together, existing, of the right kind; the checkpoint's config.json readable."""
     m = cfg.model
@@ -80,12 +76,6 @@ def _check_paths(cfg: Config) -> None:
         )
     if m.path and not Path(m.path).exists():
         raise ConfigError(f"model.path = {m.path!r} does not exist")
-    if m.path and not (Path(m.path) / "config.json").is_file():
-        raise ConfigError(f"model.path = {m.path!r} has no config.json (expected an HF checkpoint folder)")
-    if m.path and not any((Path(m.path) / name).is_file() for name in _WEIGHT_FILES):
-        raise ConfigError(
-            f"model.path = {m.path!r} has no {' or '.join(_WEIGHT_FILES)} (tandem reads the weights from safetensors)"
-        )
     if is_gym_path(cfg.data.path):
         try:
             check_gym_config(cfg.data.path, cfg.data.reasoning_gym)
@@ -101,14 +91,21 @@ def _check_paths(cfg: Config) -> None:
             "prompt of the same step); use it with the built-in tasks"
         )
     if m.path:
-        _check_model_config(m.path)
+        _check_checkpoint_folder(m.path)
 
 
-def _check_model_config(path: str) -> None:
-    """The checkpoint's config.json, read as the native model reads it, before any rank starts."""
+def _check_checkpoint_folder(path: str) -> None:
+    """The checkpoint folder: a config.json the native model can read, and safetensors weights."""
     # Imported here: torch loads only for a run that names a checkpoint.
     from model.args import HFConfigError, ModelArgs, UnsupportedModelError
+    from model.hf import WEIGHTS_FILE, WEIGHTS_INDEX
 
+    if not (Path(path) / "config.json").is_file():
+        raise ConfigError(f"model.path = {path!r} has no config.json (expected an HF checkpoint folder)")
+    if not any((Path(path) / name).is_file() for name in (WEIGHTS_FILE, WEIGHTS_INDEX)):
+        raise ConfigError(
+            f"model.path = {path!r} has no {WEIGHTS_FILE} or {WEIGHTS_INDEX} (tandem reads the weights from safetensors)"
+        )
     try:
         ModelArgs.from_hf_dir(path)
     except HFConfigError as error:
