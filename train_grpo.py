@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from grpo.config import Config, ConfigError, load_config, record_config
+from grpo.config import DEFAULT_CONFIG_PATH, Config, ConfigError, load_config, record_config
 from grpo.distributed import error_report
 from grpo.distributed.faults import GracefulStop, PeerLost, is_connection_lost, peer_lost, restart_count
 from grpo.distributed.preflight import check_output_dir, check_shared_output_dir, take_output_lock
@@ -164,6 +164,9 @@ def run(cfg: Config, stop: GracefulStop) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if any(arg in ("-h", "--help") for arg in (sys.argv[1:] if argv is None else argv)):
+        print(f"{__doc__.strip()}\n\nEvery key, its default and a one-line comment: {DEFAULT_CONFIG_PATH}")
+        return 0
     error_report.attach(None)
     try:
         cfg = load_config(argv)

@@ -50,6 +50,16 @@ def test_a_metrics_backend_that_is_not_installed_is_a_config_error(tmp_path, cap
     assert not run_dir.exists(), "nothing is written before the config is valid"
 
 
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_help_shows_how_to_launch_and_where_the_keys_are(flag, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert train_grpo.main(["--parallelism.mode=colocated", flag]) == 0
+    out = capsys.readouterr().out
+    assert "torchrun --nproc_per_node=2 train_grpo.py" in out
+    assert out.rstrip().endswith(f"Every key, its default and a one-line comment: {REPO / 'config.toml'}")
+    assert not any(tmp_path.iterdir()), "help starts no run"
+
+
 def test_a_cuda_device_on_a_machine_without_one_is_a_config_error():
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
