@@ -88,8 +88,8 @@ def test_toml_valued_overrides():
 
 
 def test_int_accepted_for_float_and_converted():
-    cfg = load("--optimizer.lr=1", "--rewards.weights=[1, 2]", "--rewards.functions=[\"a\", \"b\"]")
-    assert cfg.optimizer.lr == 1.0 and type(cfg.optimizer.lr) is float
+    cfg = load("--grpo.kl_coef=1", "--rewards.weights=[1, 2]", "--rewards.functions=[\"a\", \"b\"]")
+    assert cfg.grpo.kl_coef == 1.0 and type(cfg.grpo.kl_coef) is float
     assert cfg.rewards.weights == [1.0, 2.0] and all(type(w) is float for w in cfg.rewards.weights)
 
 
@@ -213,6 +213,7 @@ def test_weights_functions_length_mismatch():
         ("--training.micro_batch_tokens=0", "training.micro_batch_tokens"),
         ("--training.frozen_pass_tokens=100", "training.frozen_pass_tokens"),
         ("--generation.temperature=-0.1", "generation.temperature"),
+        ("--generation.temperature=0", "generation.temperature"),
         ("--generation.top_p=0", "generation.top_p"),
         ("--generation.top_p=1.5", "generation.top_p"),
         ("--generation.top_k=-1", "generation.top_k"),
@@ -223,6 +224,8 @@ def test_weights_functions_length_mismatch():
         ("--rewards.timeout_s=0", "rewards.timeout_s"),
         ("--rewards.num_workers=-2", "rewards.num_workers"),
         ("--optimizer.lr=0", "optimizer.lr"),
+        ("--optimizer.lr=1", "optimizer.lr"),
+        ("--optimizer.lr=1e308", "optimizer.lr"),
         ("--optimizer.betas=[0.9]", "optimizer.betas"),
         ("--optimizer.betas=[0.9, 1.0]", "optimizer.betas"),
         ("--grpo.num_iterations=0", "grpo.num_iterations"),
@@ -538,3 +541,10 @@ def test_vllm_with_broken_cuda_built_extras_is_refused_in_one_line(tmp_path, mon
     (tmp_path / "torchvision" / "__init__.py").write_text("")
     monkeypatch.delitem(sys.modules, "torchvision", raising=False)
     assert load('--generation.engine="vllm"', "--model.dim=64", "--model.n_heads=2", "--model.n_kv_heads=1")
+
+
+def test_greedy_training_and_a_step_of_one_are_refused_with_the_reason():
+    assert error("--generation.temperature=0") == (
+        "generation.temperature = 0.0 must be > 0: greedy decoding gives every sample of a group the same completion, "
+        "so every advantage is 0 and nothing is learned (held-out eval with eval.samples = 1 is greedy already)")
+    assert error("--optimizer.lr=1e308").startswith("optimizer.lr = 1e+308 must be in (0, 1): AdamW moves every weight")

@@ -174,7 +174,9 @@ def _check_generation(cfg: Config) -> None:
         g.max_new_tokens,
         f"cannot hold the longest answer of the built-in task (data.digits_max = {d.digits_max})",
     )
-    require(g.temperature >= 0, "generation.temperature", g.temperature, "must be >= 0 (0 = greedy)")
+    require(g.temperature > 0, "generation.temperature", g.temperature,
+            "must be > 0: greedy decoding gives every sample of a group the same completion, so every advantage is 0 "
+            "and nothing is learned (held-out eval with eval.samples = 1 is greedy already)")
     require(0 < g.top_p <= 1, "generation.top_p", g.top_p, "must be in (0, 1] (1 = off)")
     require(g.top_k >= 0, "generation.top_k", g.top_k, "must be >= 0 (0 = off)")
     require("" not in g.stop, "generation.stop", g.stop, "must not contain an empty string (it matches at once)")
@@ -286,7 +288,8 @@ def _check_env(cfg: Config) -> None:
 def _check_optimizer(cfg: Config) -> None:
     """[optimizer]: AdamW's constants and the learning-rate schedule."""
     o = cfg.optimizer
-    require(o.lr > 0, "optimizer.lr", o.lr, "must be > 0")
+    require(0 < o.lr < 1, "optimizer.lr", o.lr,
+            "must be in (0, 1): AdamW moves every weight by about lr a step, so a step of 1 or more overwrites the model")
     betas_ok = len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas)
     require(betas_ok, "optimizer.betas", o.betas, "must be two values in [0, 1)")
     require(o.eps >= 0, "optimizer.eps", o.eps, "must be >= 0")

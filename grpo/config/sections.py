@@ -121,7 +121,7 @@ class DataConfig:
 class GenerationConfig:
     # completion length cap; longer completions are cut with finish reason "length"
     max_new_tokens: int = 4
-    # sampling temperature; 0 = greedy
+    # sampling temperature, > 0 (held-out eval with eval.samples = 1 is greedy)
     temperature: float = 1.0
     # nucleus sampling mass; 1.0 = off
     top_p: float = 1.0
