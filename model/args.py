@@ -97,7 +97,7 @@ class ModelArgs:
         _check_shape_keys(config, source)
         rope_theta, rope_type, rope_scaling = _read_rope(config)
         n_heads = config["num_attention_heads"]
-        return cls(
+        args = cls(
             arch=arch,
             vocab_size=config["vocab_size"],
             dim=config["hidden_size"],
@@ -117,6 +117,11 @@ class ModelArgs:
             bos_token_id=config.get("bos_token_id"),
             eos_token_id=config.get("eos_token_id"),
         )
+        if args.n_heads % args.n_kv_heads:
+            raise HFConfigError(
+                f"{source}: num_attention_heads = {args.n_heads} is not a multiple of num_key_value_heads = {args.n_kv_heads}"
+            )
+        return args
 
     @classmethod
     def from_hf_dir(cls, path: str | Path) -> ModelArgs:
@@ -177,7 +182,7 @@ class ModelArgs:
 
 def _check_shape_keys(config: dict[str, Any], source: str) -> None:
     """Raise HFConfigError unless the shape keys of `config` are positive integers, its norm epsilon
-    a small positive number and its query heads split evenly over its K/V heads."""
+    a small positive number."""
     missing = [key for key in _REQUIRED_INT_KEYS if key not in config]
     if missing:
         raise HFConfigError(f"{source} lacks {', '.join(map(repr, missing))}, which the model's shape is read from")
@@ -190,9 +195,6 @@ def _check_shape_keys(config: dict[str, Any], source: str) -> None:
     eps = config.get("rms_norm_eps", 1e-6)
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < 1:
         raise HFConfigError(f"{source}: rms_norm_eps = {eps!r} must be a number between 0 and 1")
-    heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
-    if heads % kv_heads:
-        raise HFConfigError(f"{source}: num_attention_heads = {heads} is not a multiple of num_key_value_heads = {kv_heads}")
 
 
 def _read_rope(config: dict[str, Any]) -> tuple[float, str, dict[str, float]]:
