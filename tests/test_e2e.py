@@ -127,6 +127,8 @@ def test_zero_variance_filter_and_dynamic_sampling(tmp_path):
     batch to exactly data.prompts_per_step groups, identically in split (2 trainers) and colocated runs."""
     plain = launch([*FILTERED, "--parallelism.mode=colocated", f"--job.output_dir={tmp_path / 'plain'}"], nproc=None)
     assert plain.returncode == 0, plain.stderr[-3000:]
+    # 8 prompts x 4 samples, 4 new tokens each (the built-in default generation.max_new_tokens)
+    assert "each step: 8 prompts x 4 = 32 episodes of up to 4 tokens after the prompt (128 in all)\n" in plain.stdout
     for row in metrics(tmp_path / "plain")[1:]:
         assert row["grpo/groups_filtered"] > 0
         assert row["grpo/groups_trained"] == 8 - row["grpo/groups_filtered"]
@@ -137,6 +139,7 @@ def test_zero_variance_filter_and_dynamic_sampling(tmp_path):
     assert split.returncode == 0, split.stderr[-3000:]
     colocated = launch([*dynamic, "--parallelism.mode=colocated", f"--job.output_dir={tmp_path / 'colo'}"], nproc=None)
     assert colocated.returncode == 0, colocated.stderr[-3000:]
+    assert "(128 in all), up to 8 rounds of it\n" in colocated.stdout
     split_rows, colo_rows = metrics(tmp_path / "split")[1:], metrics(tmp_path / "colo")[1:]
     for row in split_rows:
         assert row["grpo/groups_trained"] == 8

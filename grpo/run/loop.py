@@ -54,6 +54,7 @@ def run_loop(cfg: Config, run: Run, resume: Path | None = None, stop: GracefulSt
     if is_leader:
         _announce_mfu(run)
         _announce_trainable(run)
+        _announce_step_size(cfg)
     with logger, CollectorPauses() as collector:
         evals = _first_sync(cfg, run, logger, start_step, resume) or evals
         if async_steps is not None:
@@ -270,6 +271,15 @@ def _announce_trainable(run: Run) -> None:
     how = "full fine-tuning" if run.lora is None else (
         f"LoRA rank {run.lora.rank} on {', '.join(run.lora.targets)}, base frozen in {str(run.dtype).removeprefix('torch.')}")
     print(f"trainable parameters: {trained:,} of {total:,} ({how})", flush=True)
+
+
+def _announce_step_size(cfg: Config) -> None:
+    """How much one step generates, so a size far beyond the machine shows before its first step runs long."""
+    prompts, group = cfg.data.prompts_per_step, cfg.grpo.group_size
+    episodes, budget = prompts * group, cfg.max_episode_tokens
+    rounds = f", up to {cfg.grpo.dynamic_sampling_max_rounds} rounds of it" if cfg.grpo.dynamic_sampling else ""
+    print(f"each step: {prompts} prompts x {group} = {episodes:,} episodes of up to {budget:,} tokens after the prompt "
+          f"({episodes * budget:,} in all){rounds}", flush=True)
 
 
 def _schedule_of(cfg: Config) -> dict:
