@@ -44,7 +44,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from grpo.engine import GenerationRequest, NativeEngine, SamplingParams  # noqa: E402
 from model import ModelArgs  # noqa: E402
-from model.parallelize import compile_afresh  # noqa: E402
 
 SHAPES = {
     "0.6b": dict(dim=1024, n_layers=28, n_heads=16, n_kv_heads=8, head_dim=128, ffn_dim=3072),
@@ -251,8 +250,6 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="print one decode step's kernels (prefill taken out)")
     parser.add_argument("--gaps", action="store_true", help="print where one call leaves the device idle")
     opts = parser.parse_args()
-    # HF's static-cache baseline compiles its own graphs, as the engine does: both skip the on-disk graph caches.
-    compile_afresh()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     vocab = 512 if opts.quick else VOCAB
     shapes = ["tiny"] if opts.quick else opts.shapes.split(",")

@@ -18,12 +18,14 @@ flash,fa4` one on FlashAttention 4 (`model.train_attention`; `_fa4` in its name)
 (b) runs padded micro-batches of sequences sorted by length, (c) one sequence per micro-batch with
 gradient checkpointing. Both take one optimizer step per batch.
 
-Reported per line: tokens/s over the batch's tokens (best of --reps after a warm-up step, whose
-time is `first_step_s`: compile included), MFU = model FLOP/s over the bf16 matmul rate measured
-in this run (8192^3), and peak memory. Model FLOPs per token: 6 x matmul parameters (the tied head
-included) + 12 x layers x heads x head_dim x the mean causal context; recomputation not counted.
-tandem's output head runs on the completion tokens only (65% of each batch: the tokens that carry
-the loss), HF's on every token, and each one's MFU counts the head where it runs.
+Both run with one CPU thread for torch, as the trainer ranks do (`train_grpo.one_host_thread`; set
+OMP_NUM_THREADS to choose another count). Reported per line: tokens/s over the batch's tokens (best
+of --reps after a warm-up step, whose time is `first_step_s`: compile included), MFU = model FLOP/s
+over the bf16 matmul rate measured in this run (8192^3), and peak memory. Model FLOPs per token:
+6 x matmul parameters (the tied head included) + 12 x layers x heads x head_dim x the mean causal
+context; recomputation not counted. tandem's output head runs on the completion tokens only (65% of
+each batch: the tokens that carry the loss), HF's on every token, and each one's MFU counts the head
+where it runs.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ from model import (  # noqa: E402
     batch_invariant,  # noqa: E402
 )
 from model.attention import set_packed_kernel  # noqa: E402
+from train_grpo import one_host_thread  # noqa: E402
 
 CONFIGS = {
     "a": dict(lengths="fixed", n=16, length=1024, checkpointing=False),
@@ -216,6 +219,9 @@ def main() -> None:
         raise SystemExit("bench/train.py measures a GPU; no CUDA device is visible")
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
+    # As a trainer rank does: with torch's default of a thread per core, the packing's host ops ran 30-45% of
+    # (a)'s step longer while Inductor's compile workers started beside a run whose graphs came from the cache.
+    one_host_thread()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29511")
     dist.init_process_group("nccl", rank=0, world_size=1)

@@ -8,7 +8,6 @@ hand it here with a mesh.
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
 import torch.distributed as dist
@@ -102,7 +101,6 @@ def compile_blocks(model: Transformer) -> None:
     way."""
     import torch._dynamo.config as dynamo_config
 
-    compile_afresh()
     # Every block shares one code object per half; leave room for the guards of each block, and
     # for the batch size 1 that dynamic shapes specialise.
     dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 8 * len(model.layers), 64)
@@ -112,26 +110,6 @@ def compile_blocks(model: Transformer) -> None:
     model.rope = torch.compile(model.rope, dynamic=True)
     # The final norm's backward has the same two reductions as a block's norms.
     model.final_norm = torch.compile(model.final_norm, dynamic=True, options=_INDUCTOR_OPTIONS)
-
-
-# The environment variables that set Inductor's on-disk graph caches: a launch that sets either keeps its choice.
-_GRAPH_CACHE_VARIABLES = ("TORCHINDUCTOR_FX_GRAPH_CACHE", "TORCHINDUCTOR_AUTOGRAD_CACHE", "TORCHINDUCTOR_FORCE_DISABLE_CACHES")
-
-
-def compile_afresh() -> None:
-    """Turn off Inductor's on-disk caches of compiled graphs (FX graph and AOTAutograd) for this
-    process, so that it compiles its graphs itself. Measured on an H100 (bench/RESULTS.md,
-    2026-12-06): the same blocks trained 27-38% slower when their graphs came from the cache than
-    when the process compiled them (bench/train.py (a) 68k against 94k tokens/s, (b) 85k against
-    109k); the cause inside Inductor is not established. The price is compile time in the first
-    step (about 10 s more at the Qwen3-0.6B shape). Triton's kernel and autotuning caches stay on."""
-    if any(name in os.environ for name in _GRAPH_CACHE_VARIABLES):
-        return
-    import torch._functorch.config as functorch_config
-    import torch._inductor.config as inductor_config
-
-    inductor_config.fx_graph_cache = False
-    functorch_config.enable_autograd_cache = False
 
 
 # Tensor parallelism for the generator's engine. A TP group of `tp` ranks holds one engine: query
