@@ -1,15 +1,18 @@
 """Decode attention over KV-cache slots: our Triton kernel against PyTorch's flash-attention kernel
 (variable-length form, per-row slot offsets + `seqused_k`), in the same run. One JSON line per batch.
 
-    python3 bench/decode_attention.py [--batches 64,256] [--live 256] [--slot 384] [--sweep 4x2,4x3,8x2]
+    python3 bench/decode_attention.py [--batches 64,256] [--live 256] [--slot 384] [--sweep 4x2,4x3,4x2x128] [--share 85]
 
 Qwen3-0.6B attention shape (16 query heads, 8 KV heads, head_dim 128), bf16; every row attends
 over `--live` keys of its own slot. Reports microseconds per call and the achieved bandwidth
 counting the live K/V bytes read once.
 
-`--sweep WARPSxSTAGES,...`: our kernel alone under each launch configuration (warps per program,
-software-pipelining stages), each call timed inside a CUDA graph as the engine replays it, so the
-host's launch cost is left out. One JSON line per batch and configuration.
+`--sweep WARPSxSTAGES[xBLOCK_N],...`: our kernel alone under each launch configuration (warps per
+program, software-pipelining stages, keys per block step: a block size other than the packed
+kernel's changes the output's bits), each call timed inside a CUDA graph as the engine replays it,
+so the host's launch cost is left out. `--share P` makes rows in groups of 8 read their first P keys
+from one slot, as the samples of one prompt do (bandwidth then counts a shared prompt once per
+group). One JSON line per batch and configuration.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from model import invariant_kernels  # noqa: E402
 from model.invariant_kernels import slot_attention  # noqa: E402
 
 H, HKV, D = 16, 8, 128
+GROUP = 8  # rows per shared prompt (--share)
 
 
 def flash_varlen(q, k_cache, v_cache, slots, lengths):
@@ -53,21 +57,29 @@ def time_us(fn, reps: int = 50) -> float:
     return start.elapsed_time(end) * 1000 / reps
 
 
-def sweep(configs: str, batch: int, q, k_cache, v_cache, slots, lengths, live_bytes: int, row: dict) -> None:
-    """One line per WARPSxSTAGES configuration of our kernel (module constants, restored after)."""
-    saved = invariant_kernels.ATTENTION_WARPS, invariant_kernels.ATTENTION_DECODE_STAGES
-    reference = slot_attention(q, k_cache, v_cache, slots, lengths)
+def parse_config(config: str) -> dict:
+    """'WARPSxSTAGES[xBLOCK_N]' -> the module constants it sets."""
+    numbers = [int(x) for x in config.split("x")]
+    return {"ATTENTION_WARPS": numbers[0], "ATTENTION_DECODE_STAGES": numbers[1],
+            "ATTENTION_BLOCK_N": numbers[2] if len(numbers) > 2 else invariant_kernels.ATTENTION_BLOCK_N}
+
+
+def sweep(configs: str, attend, live_bytes: int, row: dict) -> None:
+    """One line per configuration of our kernel (module constants, restored after)."""
+    names = ("ATTENTION_WARPS", "ATTENTION_DECODE_STAGES", "ATTENTION_BLOCK_N")
+    saved = {name: getattr(invariant_kernels, name) for name in names}
+    reference = attend()
     try:
         for config in configs.split(","):
-            warps, stages = (int(x) for x in config.split("x"))
-            invariant_kernels.ATTENTION_WARPS, invariant_kernels.ATTENTION_DECODE_STAGES = warps, stages
-            out = slot_attention(q, k_cache, v_cache, slots, lengths)
-            us = graph_time_us(lambda: slot_attention(q, k_cache, v_cache, slots, lengths), reps=50)
-            print(json.dumps({**row, "warps": warps, "stages": stages, "graph_us": round(us, 2),
-                              "GBps": round(live_bytes / us / 1e3), "same_bits": bool(torch.equal(out, reference))}),
-                  flush=True)
+            for name, value in parse_config(config).items():
+                setattr(invariant_kernels, name, value)
+            out = attend()
+            us = graph_time_us(attend, reps=50)
+            print(json.dumps({**row, "config": config, "graph_us": round(us, 2), "GBps": round(live_bytes / us / 1e3),
+                              "same_bits": bool(torch.equal(out, reference))}), flush=True)
     finally:
-        invariant_kernels.ATTENTION_WARPS, invariant_kernels.ATTENTION_DECODE_STAGES = saved
+        for name, value in saved.items():
+            setattr(invariant_kernels, name, value)
 
 
 def main() -> None:
@@ -75,7 +87,9 @@ def main() -> None:
     parser.add_argument("--batches", default="64,256")
     parser.add_argument("--live", type=int, default=256)
     parser.add_argument("--slot", type=int, default=384)
-    parser.add_argument("--sweep", default="", help="WARPSxSTAGES,... of our kernel, timed in CUDA graphs")
+    parser.add_argument("--sweep", default="", help="WARPSxSTAGES[xBLOCK_N],... of our kernel, timed in CUDA graphs")
+    parser.add_argument("--share", type=int, default=0,
+                        help="with --sweep: rows in groups of 8 read their first SHARE keys from the group's first slot")
     opts = parser.parse_args()
     device = torch.device("cuda")
     for batch in [int(b) for b in opts.batches.split(",")]:
@@ -89,8 +103,13 @@ def main() -> None:
         theirs = flash_varlen(q, k_cache, v_cache, slots, lengths)
         live_bytes = 2 * batch * opts.live * HKV * D * 2
         if opts.sweep:
-            sweep(opts.sweep, batch, q, k_cache, v_cache, slots, lengths, live_bytes,
-                  dict(bench="decode_attention_sweep", batch=batch, live=opts.live, slot=opts.slot))
+            share_slots = slots.view(-1, GROUP)[:, :1].expand(-1, GROUP).reshape(-1) if opts.share else slots
+            share_lens = torch.full_like(lengths, opts.share) if opts.share else lengths
+            # Bytes that must come from memory: a shared prompt once per group.
+            unique_keys = batch * opts.live - (batch - batch // GROUP) * opts.share
+            sweep(opts.sweep, lambda: slot_attention(q, k_cache, v_cache, slots, lengths, share_slots, share_lens),
+                  2 * unique_keys * HKV * D * 2,
+                  dict(bench="decode_attention_sweep", batch=batch, live=opts.live, share=opts.share, slot=opts.slot))
             continue
         row = dict(bench="decode_attention", batch=batch, live=opts.live, slot=opts.slot,
                    max_abs_diff=float((ours.float() - theirs.float()).abs().max()))
