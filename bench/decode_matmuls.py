@@ -3,7 +3,7 @@ compiled block halves; the head with fp32 output) against a plain 2-D `F.linear`
 vLLM runs them, in the same run, each timed inside a CUDA graph. One JSON line per (matmul, batch,
 variant), with the cuBLAS kernel it ran and the bandwidth achieved on the weight's bytes.
 
-    python3 bench/decode_matmuls.py [--shape 8b] [--batches 64,256]
+    python3 bench/decode_matmuls.py [--shape 8b] [--batches 64,256] [--matmuls qkv,wo,w13,w2,head] [--autotune]
 
 Why: at the Qwen3-8B shape, batch 256, the fourth GPU session's profile put 2.4 ms more of matmul
 time in our decode step than in vLLM's, in two kernel tile shapes that only our step ran
@@ -33,13 +33,17 @@ def matmuls(shape: dict) -> dict[str, tuple[int, int]]:
             "w2": (ffn, dim), "head": (dim, VOCAB)}
 
 
-def variants(name: str) -> dict:
-    """variant -> fn(x [M, K], w [N, K]). `plain` is vLLM's call; the others are the engine's."""
+def variants(name: str, autotune: bool) -> dict:
+    """variant -> fn(x [M, K], w [N, K]). `plain` is vLLM's call; `as_decode` and `fp32_out` the
+    engine's; `autotuned` Inductor's pick for this one shape among cuBLAS and its Triton templates
+    (max-autotune), which the engine does not use."""
     compiled = torch.compile(lambda x, w: F.linear(x, w), dynamic=True)
     out = {"plain": lambda x, w: F.linear(x, w),
            "as_decode": lambda x, w: compiled(x[None], w)}
     if name == "head":
         out["fp32_out"] = lambda x, w: torch.mm(x, w.t(), out_dtype=torch.float32)
+    if autotune:
+        out["autotuned"] = torch.compile(lambda x, w: F.linear(x, w), dynamic=False, mode="max-autotune-no-cudagraphs")
     return out
 
 
@@ -79,17 +83,23 @@ def main() -> None:
     parser.add_argument("--shape", default="8b", choices=sorted(SHAPES))
     parser.add_argument("--batches", default="64,256")
     parser.add_argument("--reps", type=int, default=100)
+    parser.add_argument("--matmuls", default="qkv,wo,w13,w2,head")
+    parser.add_argument("--autotune", action="store_true", help="add Inductor's max-autotune pick for each shape")
     opts = parser.parse_args()
+    # One compiled graph per (matmul, batch) shape under --autotune.
+    torch._dynamo.config.recompile_limit = 64
     device = torch.device("cuda")
     shape = SHAPES[opts.shape]
     base = dict(bench="decode_matmuls", device=torch.cuda.get_device_name(), torch=torch.__version__, commit=commit(),
                 shape=opts.shape)
     for name, (k, n) in matmuls(shape).items():
+        if name not in opts.matmuls.split(","):
+            continue
         w = torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02
         for batch in [int(b) for b in opts.batches.split(",")]:
             x = torch.randn(batch, k, device=device, dtype=torch.bfloat16)
             times = {}
-            for variant, fn in variants(name).items():
+            for variant, fn in variants(name, opts.autotune).items():
                 call = lambda: fn(x, w)  # noqa: E731
                 times[variant] = graph_time_us(call, opts.reps)
                 print(json.dumps(dict(base, matmul=name, k=k, n=n, batch=batch, variant=variant,
