@@ -188,3 +188,35 @@ def test_without_a_store_every_rank_says_its_line(monkeypatch, capsys):
     error_report.lost_peers("error: lost")
     assert capsys.readouterr().err.splitlines() == ["error: first", "error: lost"]
     error_report.attach(None)
+
+
+def test_a_kv_slot_too_small_for_the_longest_prompt_stops_before_any_model_loads(checkpoint, tmp_path, capsys,
+                                                                                 monkeypatch):
+    """generation.max_seq_len set below the longest prompt plus max_new_tokens: one line at start-up
+    naming both keys and the size needed, not an error at the first generation after the model loaded."""
+    from transformers import AutoTokenizer
+
+    import grpo.run.rank
+
+    def load(*args, **kwargs):
+        raise AssertionError("a model was loaded before the check")
+
+    monkeypatch.setattr(grpo.run.rank, "from_hf", load)
+    questions = [f"What is {i} + 1?" for i in range(8)]
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"question": q, "answer": "1"}) + "\n" for q in questions))
+    hf = AutoTokenizer.from_pretrained(str(checkpoint))
+    longest = max(len(hf.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                             tokenize=True, return_dict=True)["input_ids"]) for q in questions)
+    code = train_grpo.main([
+        *ONE_RANK, f"--model.path={checkpoint}", f"--data.path={data}", "--eval.num_prompts=2",
+        "--data.prompts_per_step=2", "--generation.max_new_tokens=4", f"--generation.max_seq_len={longest}",
+        f"--job.output_dir={tmp_path / 'run'}",
+    ])
+    err = capsys.readouterr().err
+    assert code == 1 and "Traceback" not in err, err
+    assert (
+        f"error: generation.max_seq_len = {longest} cannot hold the longest prompt in {str(data)!r} ({longest} "
+        f"tokens) and generation.max_new_tokens = 4: raise it to at least {longest + 4}, or set it to 0 (sized "
+        "from the data)" in err
+    ), err

@@ -131,7 +131,7 @@ class GenerationConfig:
     stop: list[str] = field(default_factory=list)
     # most sequences decoded at once; a finished sequence's KV slot goes to the next waiting request
     max_batch_size: int = 512
-    # KV slot capacity in tokens (prompt + completion); 0 = the longest prompt the data allows + max_new_tokens
+    # KV slot capacity in tokens (prompt + completion); 0 = the longest prompt in the data + max_new_tokens
     max_seq_len: int = 0
     # KV cache size per generator in GB; 0 = room for max_batch_size sequences (on CUDA at most kv_cache_fraction of free memory)
     kv_cache_gb: float = 0.0

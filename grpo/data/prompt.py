@@ -41,6 +41,8 @@ class PromptSource(Protocol):
     `train_prompts(step, count, round_index)` depends only on its arguments and the seed, so any
     rank can rebuild any step's batch (resume, async steps); `round_index` > 0 draws dynamic
     sampling's extra rounds, disjoint from every other step's and round's prompts.
+    `max_prompt_tokens` bounds every prompt it gives, held-out ones included (the engine's KV slots
+    are sized from it).
     """
 
     eval_prompts: list[Prompt]

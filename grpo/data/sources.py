@@ -26,13 +26,30 @@ def open_prompts(cfg: Config) -> tuple[Tokenizer, PromptSource]:
     d = cfg.data
     if not cfg.model.path:
         tokenizer = CharTokenizer()
-        return tokenizer, DigitTask(d.task, tokenizer, d.digits_min, d.digits_max, cfg.job.seed, cfg.eval.num_prompts)
+        task = DigitTask(d.task, tokenizer, d.digits_min, d.digits_max, cfg.job.seed, cfg.eval.num_prompts)
+        _check_slot_room(cfg, task)
+        return tokenizer, task
     try:
         tokenizer = load_hf_tokenizer(cfg.model.path)
         source = GymSource(cfg, tokenizer) if is_gym_path(d.path) else FileSource(cfg, tokenizer)
     except (ValueError, FileNotFoundError) as error:
         raise DataError(str(error)) from None
+    _check_slot_room(cfg, source)
     return tokenizer, source
+
+
+def _check_slot_room(cfg: Config, source: PromptSource) -> None:
+    """A generation.max_seq_len set by hand must hold the longest prompt and its completion: found
+    here, before any model is loaded, not at the first generation."""
+    g = cfg.generation
+    needed = source.max_prompt_tokens + g.max_new_tokens
+    if g.max_seq_len and g.max_seq_len < needed:
+        where = f"in {cfg.data.path!r}" if cfg.data.path else "of the built-in task"
+        raise DataError(
+            f"generation.max_seq_len = {g.max_seq_len} cannot hold the longest prompt {where} "
+            f"({source.max_prompt_tokens} tokens) and generation.max_new_tokens = {g.max_new_tokens}: "
+            f"raise it to at least {needed}, or set it to 0 (sized from the data)"
+        )
 
 
 def _render_options(cfg: Config) -> dict[str, Any]:
@@ -55,9 +72,11 @@ class _DatasetSource:
     dataset: PromptDataset
     eval_prompts: list[Prompt]
 
-    def __init__(self, cfg: Config):
-        # prompts over the limit are skipped or refused, so no prompt is longer
-        self.max_prompt_tokens = cfg.data.max_prompt_tokens
+    def _fit(self, prompts: list[Prompt]) -> None:
+        """`max_prompt_tokens`: the longest of the rendered prompts the run can draw (at most
+        data.max_prompt_tokens, whose longer prompts are skipped or refused). The engine's KV slots
+        hold it plus an episode's tokens, so prompts far below the limit leave room for more rows."""
+        self.max_prompt_tokens = max(len(p.token_ids) for p in prompts)
 
     def train_prompts(self, step: int, count: int, round_index: int = 0) -> list[Prompt]:
         return self.dataset.batch(step - 1, count, round_index)
@@ -78,7 +97,6 @@ class FileSource(_DatasetSource):
     """Prompts from the JSONL / Parquet file or folder at data.path; eval.num_prompts of them held out."""
 
     def __init__(self, cfg: Config, tokenizer: HFTokenizer):
-        super().__init__(cfg)
         d = cfg.data
         self.dataset = PromptDataset.from_path(
             d.path,
@@ -90,6 +108,7 @@ class FileSource(_DatasetSource):
         # Checked before holding out: a file too small to hold them out gets the same line.
         self._check_enough(cfg, max(0, len(self.dataset.prompts) - cfg.eval.num_prompts))
         self.eval_prompts = self.dataset.held_out(cfg.eval.num_prompts)
+        self._fit(self.dataset.prompts)
 
 
 class GymSource(_DatasetSource):
@@ -97,7 +116,6 @@ class GymSource(_DatasetSource):
     a training problem whose question is also held out is dropped."""
 
     def __init__(self, cfg: Config, tokenizer: Any):
-        super().__init__(cfg)
         d = cfg.data
         name = d.path[len(PREFIX) :]
         render = _render_options(cfg)
@@ -114,3 +132,4 @@ class GymSource(_DatasetSource):
             for i, p in enumerate(PromptDataset(held_out, tokenizer, **render).prompts)
         ]
         self._check_enough(cfg, len(self.dataset))
+        self._fit(self.dataset.prompts + self.eval_prompts)
