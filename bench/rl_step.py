@@ -86,8 +86,8 @@ def build_prompts(path: Path, count: int) -> Path:
     return path
 
 
-# The workload's batch shape. The fixture's prompts render to 75-95 tokens: a 256-token cap keeps
-# each KV slot at 512 tokens.
+# The workload's batch shape. The fixture's prompts render to 75-95 tokens, inside the 256-token cap;
+# the engine's KV slots hold the longest of them plus the 256 new tokens.
 WORKLOAD = {"data.prompts_per_step": "64", "grpo.group_size": "8", "generation.max_new_tokens": "256",
             "data.max_prompt_tokens": "256"}
 
