@@ -86,8 +86,9 @@ def main() -> None:
     parser.add_argument("--matmuls", default="qkv,wo,w13,w2,head")
     parser.add_argument("--autotune", action="store_true", help="add Inductor's max-autotune pick for each shape")
     opts = parser.parse_args()
-    # One compiled graph per (matmul, batch) shape under --autotune.
-    torch._dynamo.config.recompile_limit = 64
+    if opts.autotune:
+        # One compiled graph per (matmul, batch) shape.
+        torch._dynamo.config.recompile_limit = 64
     device = torch.device("cuda")
     shape = SHAPES[opts.shape]
     base = dict(bench="decode_matmuls", device=torch.cuda.get_device_name(), torch=torch.__version__, commit=commit(),

@@ -262,9 +262,7 @@ def test_kv_slots_are_sized_from_the_longest_prompt_in_the_data(tmp_path):
     """With generation.max_seq_len = 0 a slot holds the longest rendered prompt of the run (held-out
     ones included) plus the completion, not data.max_prompt_tokens: short prompts leave room for
     more rows in the same KV memory."""
-    from transformers import AutoTokenizer
-
-    from fixtures.hf import build_checkpoint
+    from fixtures.hf import build_checkpoint, chat_prompt_lengths
     from grpo.config import load_config
     from grpo.data.sources import open_prompts
 
@@ -275,9 +273,7 @@ def test_kv_slots_are_sized_from_the_longest_prompt_in_the_data(tmp_path):
     cfg = load_config(["--parallelism.mode=colocated", "--job.device=cpu", f"--model.path={checkpoint}",
                        f"--data.path={data}", "--eval.num_prompts=4", "--data.prompts_per_step=2"])
     _, source = open_prompts(cfg)
-    hf = AutoTokenizer.from_pretrained(str(checkpoint))
-    longest = max(len(hf.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                             tokenize=True, return_dict=True)["input_ids"]) for q in questions)
+    longest = max(chat_prompt_lengths(checkpoint, questions))
     assert source.max_prompt_tokens == longest < cfg.data.max_prompt_tokens
     # The longest question is among the held-out ones or not: either way every prompt fits.
     assert all(len(p.token_ids) <= longest for p in [*source.dataset.prompts, *source.eval_prompts])

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import train_grpo
-from fixtures.hf import build_checkpoint
+from fixtures.hf import build_checkpoint, chat_prompt_lengths
 from grpo.config import ConfigError, load_config
 from tests.test_e2e import REPO, command, launch, launch_env
 
@@ -194,8 +194,6 @@ def test_a_kv_slot_too_small_for_the_longest_prompt_stops_before_any_model_loads
                                                                                  monkeypatch):
     """generation.max_seq_len set below the longest prompt plus max_new_tokens: one line at start-up
     naming both keys and the size needed, not an error at the first generation after the model loaded."""
-    from transformers import AutoTokenizer
-
     import grpo.run.rank
 
     def load(*args, **kwargs):
@@ -205,9 +203,7 @@ def test_a_kv_slot_too_small_for_the_longest_prompt_stops_before_any_model_loads
     questions = [f"What is {i} + 1?" for i in range(8)]
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps({"question": q, "answer": "1"}) + "\n" for q in questions))
-    hf = AutoTokenizer.from_pretrained(str(checkpoint))
-    longest = max(len(hf.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                             tokenize=True, return_dict=True)["input_ids"]) for q in questions)
+    longest = max(chat_prompt_lengths(checkpoint, questions))
     code = train_grpo.main([
         *ONE_RANK, f"--model.path={checkpoint}", f"--data.path={data}", "--eval.num_prompts=2",
         "--data.prompts_per_step=2", "--generation.max_new_tokens=4", f"--generation.max_seq_len={longest}",

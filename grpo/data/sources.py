@@ -26,14 +26,13 @@ def open_prompts(cfg: Config) -> tuple[Tokenizer, PromptSource]:
     d = cfg.data
     if not cfg.model.path:
         tokenizer = CharTokenizer()
-        task = DigitTask(d.task, tokenizer, d.digits_min, d.digits_max, cfg.job.seed, cfg.eval.num_prompts)
-        _check_slot_room(cfg, task)
-        return tokenizer, task
-    try:
-        tokenizer = load_hf_tokenizer(cfg.model.path)
-        source = GymSource(cfg, tokenizer) if is_gym_path(d.path) else FileSource(cfg, tokenizer)
-    except (ValueError, FileNotFoundError) as error:
-        raise DataError(str(error)) from None
+        source = DigitTask(d.task, tokenizer, d.digits_min, d.digits_max, cfg.job.seed, cfg.eval.num_prompts)
+    else:
+        try:
+            tokenizer = load_hf_tokenizer(cfg.model.path)
+            source = GymSource(cfg, tokenizer) if is_gym_path(d.path) else FileSource(cfg, tokenizer)
+        except (ValueError, FileNotFoundError) as error:
+            raise DataError(str(error)) from None
     _check_slot_room(cfg, source)
     return tokenizer, source
 
