@@ -176,6 +176,28 @@ class _FlashVarlen(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None
 
 
+def _invariant_grads(layout: SequenceLayout):
+    """The backward of the invariant packed attention over `layout` (invariant_ops.PackedAttention's
+    `grads`). On CUDA, flash attention's backward from the invariant forward's output and
+    log-sum-exp: flash's forward is not run again. Elsewhere the reference path's gradients, from
+    a recomputed forward."""
+
+    def grads(grad, q, k, v, out, lse):
+        if uses_flash(q):
+            # Without dropout flash reads no random state: its forward returns empty placeholders.
+            no_rng = torch.empty((), dtype=torch.int64)
+            return torch.ops.aten._flash_attention_backward(
+                grad.contiguous(), q, k, v, out, lse, layout.cu_seqlens, layout.cu_seqlens, layout.max_len,
+                layout.max_len, 0.0, True, no_rng, no_rng,
+            )
+        q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+        with torch.enable_grad():
+            again = _by_length(q, k, v, layout.bounds)
+        return torch.autograd.grad(again, (q, k, v), grad)
+
+    return grads
+
+
 def _varlen_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SequenceLayout) -> torch.Tensor:
     """Flash varlen attention with autograd: q [N, H, D], k/v [N, Hkv, D] -> [N, H, D]."""
     cu, n = layout.cu_seqlens, layout.max_len
@@ -193,10 +215,8 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
         if not batch_invariant.uses_kernels(q):
             return batch_invariant.packed_attention(q, k, v, layout.bounds).view(B, T, H, D)
 
-        def recompute(q, k, v):
-            return _varlen_causal(q, k, v, layout) if uses_flash(q) else _by_length(q, k, v, layout.bounds)
-
-        out = batch_invariant.kernel_packed_attention(q, k, v, layout.cu_seqlens, layout.max_len, recompute)
+        grads = _invariant_grads(layout)
+        out = batch_invariant.kernel_packed_attention(q, k, v, layout.cu_seqlens, layout.max_len, grads)
         return out.view(B, T, H, D)
     if not uses_flash(q) and len(layout.bounds) == B + 1 and layout.max_len == T:
         return _causal(q, k, v)  # one sequence per row: one batched call

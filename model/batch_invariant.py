@@ -127,12 +127,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def kernel_packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                            max_len: int, recompute: Callable | None = None) -> torch.Tensor:
-    """Invariant attention over packed sequences (invariant_kernels.packed_attention);
-    with `recompute` (q, k, v -> the same attention, differentiable), gradients flow through it."""
-    if recompute is None or not torch.is_grad_enabled():
+                            max_len: int, grads: Callable | None = None) -> torch.Tensor:
+    """Invariant attention over packed sequences (invariant_kernels.packed_attention); with
+    `grads` (invariant_ops.PackedAttention's backward), gradients flow through it."""
+    if grads is None or not torch.is_grad_enabled():
         return _state["ops"].kernels.packed_attention(q, k, v, cu_seqlens, max_len)
-    return _state["ops"].PackedAttention.apply(q, k, v, cu_seqlens, max_len, recompute)
+    return _state["ops"].PackedAttention.apply(q, k, v, cu_seqlens, max_len, grads)
 
 
 def kernel_slot_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,

@@ -134,10 +134,10 @@ def _attend_block(q, k, v, live, m, l, acc, scale, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _packed_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_seqlens, scale,
-                   stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+def _packed_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, cu_seqlens, scale,
+                   stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lh,
                    G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   PRECISION: tl.constexpr):
+                   PRECISION: tl.constexpr, WRITE_LSE: tl.constexpr):
     q_block = tl.program_id(0)
     seq = tl.program_id(1)
     head = tl.program_id(2)
@@ -165,6 +165,10 @@ def _packed_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_seqlens, scale,
         out = acc / l[:, None]
         tl.store(out_ptr + (start + pos)[:, None] * stride_ot + head * stride_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=rows_live[:, None])
+        if WRITE_LSE:
+            # Natural log of the softmax's denominator over the scaled scores: flash attention's
+            # own log-sum-exp, which its backward takes in place of a recomputed forward.
+            tl.store(lse_ptr + head * stride_lh + start + pos, m + tl.log(l), mask=rows_live)
 
 
 @triton.jit
@@ -215,23 +219,24 @@ def _slot_kernel(q_ptr, k_ptr, v_ptr, out_ptr, slots_ptr, lengths_ptr, share_slo
 
 
 def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                     max_len: int) -> torch.Tensor:
+                     max_len: int, with_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """q [N, H, D], k/v [N, Hkv, D] (last dim contiguous), sequence s spanning
     cu_seqlens[s]:cu_seqlens[s + 1] (int32 [S + 1], on the device) -> [N, H, D], causal within
-    each sequence."""
+    each sequence; with_lse: also each query's log-sum-exp of its scaled scores, fp32 [H, N]
+    (flash attention's varlen layout)."""
     N, H, D = q.shape
     out = torch.empty_like(q)
+    lse = torch.empty((H, N), dtype=torch.float32, device=q.device) if with_lse else out
     S = cu_seqlens.shape[0] - 1
-    if N == 0 or S == 0:
-        return out
-    grid = (triton.cdiv(max_len, ATTENTION_BLOCK_M), S, H)
-    _packed_kernel[grid](
-        q, k, v, out, cu_seqlens, D**-0.5,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-        G=H // k.shape[1], D=D, BLOCK_M=ATTENTION_BLOCK_M, BLOCK_N=ATTENTION_BLOCK_N,
-        PRECISION=_precision(q), num_warps=ATTENTION_WARPS,
-    )
-    return out
+    if N > 0 and S > 0:
+        grid = (triton.cdiv(max_len, ATTENTION_BLOCK_M), S, H)
+        _packed_kernel[grid](
+            q, k, v, out, lse, cu_seqlens, D**-0.5,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+            lse.stride(0), G=H // k.shape[1], D=D, BLOCK_M=ATTENTION_BLOCK_M, BLOCK_N=ATTENTION_BLOCK_N,
+            PRECISION=_precision(q), WRITE_LSE=with_lse, num_warps=ATTENTION_WARPS,
+        )
+    return (out, lse) if with_lse else out
 
 
 def slot_attention_unsupported(n_heads: int, n_kv_heads: int, head_dim: int) -> str | None:

@@ -3,8 +3,8 @@
 The matmul and RMSNorm are custom operators, so a compiled block traces them as opaque calls
 (no graph break, CUDA graphs intact). Attention runs eagerly between the compiled halves, as an
 autograd function. Only forward values must be invariant: gradients come from the standard
-kernels (cuBLAS for the matmul's, flash attention's backward over a recomputed forward, the
-closed form for RMSNorm), which is what keeps the trainer's cost near the default mode's.
+kernels (cuBLAS for the matmul's, flash attention's backward for attention's, the closed form for
+RMSNorm), which is what keeps the trainer's cost near the default mode's.
 """
 
 from __future__ import annotations
@@ -81,19 +81,17 @@ invariant_rms_norm.register_autograd(_rms_norm_backward, setup_context=_rms_norm
 
 
 class PackedAttention(torch.autograd.Function):
-    """Invariant causal attention over packed sequences, forward; the backward recomputes the
-    same function with flash attention (`recompute`) and returns its gradients."""
+    """Invariant causal attention over packed sequences, forward; the backward is `grads`
+    (grad [N, H, D], q, k, v, out [N, H, D], lse [H, N] -> dq, dk, dv), given the forward's
+    output and log-sum-exp."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens, max_len: int, recompute):
-        ctx.save_for_backward(q, k, v)
-        ctx.recompute = recompute
-        return kernels.packed_attention(q, k, v, cu_seqlens, max_len)
+    def forward(ctx, q, k, v, cu_seqlens, max_len: int, grads):
+        out, lse = kernels.packed_attention(q, k, v, cu_seqlens, max_len, with_lse=True)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.grads = grads
+        return out
 
     @staticmethod
     def backward(ctx, grad):
-        q, k, v = (t.detach().requires_grad_() for t in ctx.saved_tensors)
-        with torch.enable_grad():
-            out = ctx.recompute(q, k, v)
-        grad_q, grad_k, grad_v = torch.autograd.grad(out, (q, k, v), grad)
-        return grad_q, grad_k, grad_v, None, None, None
+        return *ctx.grads(grad, *ctx.saved_tensors), None, None, None

@@ -58,7 +58,7 @@ def check_attention() -> None:
     lengths = [1, 70, 16, 5]
     q, k, v = (torch.randn(sum(lengths), h, D, generator=g) for h in (H, Hkv, Hkv))
     bounds = torch.tensor([0] + lengths).cumsum(0).tolist()
-    packed = kernels.packed_attention(q, k, v, torch.tensor(bounds, dtype=torch.int32), max(lengths))
+    packed, lse = kernels.packed_attention(q, k, v, torch.tensor(bounds, dtype=torch.int32), max(lengths), with_lse=True)
     L = max(lengths) + 9
     # The cache past each sequence's end holds stale values; NaNs among them must not leak in.
     k_cache = torch.full((len(lengths), L, Hkv, D), float("nan"))
@@ -68,6 +68,9 @@ def check_attention() -> None:
         want = F.scaled_dot_product_attention(q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1),
                                               is_causal=True, enable_gqa=True).transpose(0, 1)
         close(packed[a:b], want)
+        scores = q[a:b].transpose(0, 1) @ k[a:b].repeat_interleave(H // Hkv, 1).permute(1, 2, 0) * D**-0.5
+        causal = torch.ones(b - a, b - a, dtype=torch.bool).tril()
+        close(lse[:, a:b], scores.masked_fill(~causal, float("-inf")).logsumexp(-1))
         alone = kernels.packed_attention(q[a:b], k[a:b], v[a:b], torch.tensor([0, b - a], dtype=torch.int32), b - a)
         assert torch.equal(alone, packed[a:b])
         k_cache[s, : b - a], v_cache[s, : b - a] = k[a:b], v[a:b]
@@ -146,6 +149,29 @@ def check_gradients() -> None:
     ((wt * (xt * torch.rsqrt(xt.pow(2).mean(-1, keepdim=True) + 1e-6))) * upstream).sum().backward()
     for a, b in zip(ours, theirs):
         close(a.grad, b.grad)
+
+    # Packed attention through the model's path (its backward recomputes the reference's forward
+    # on the CPU) against SDPA's gradients, sequence by sequence.
+    from model import batch_invariant
+    from model.attention import packed_attention, sequence_layout
+
+    batch_invariant.enable(True)
+    lengths, H, Hkv, D = [3, 70, 1], 4, 2, 16
+    q, k, v = (torch.randn(1, sum(lengths), h, D, generator=g) for h in (H, Hkv, Hkv))
+    upstream = torch.randn(1, sum(lengths), H, D, generator=g)
+    ours = [t.clone().requires_grad_() for t in (q, k, v)]
+    doc_ids = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None]
+    layout = sequence_layout(doc_ids, (1, sum(lengths)), q.device)
+    (packed_attention(*ours, layout) * upstream).sum().backward()
+    batch_invariant.enable(False)
+    start = 0
+    for n in lengths:
+        part = [t[0, start : start + n].transpose(0, 1).clone().requires_grad_() for t in (q, k, v)]
+        out = F.scaled_dot_product_attention(*part, is_causal=True, enable_gqa=True)
+        (out * upstream[0, start : start + n].transpose(0, 1)).sum().backward()
+        for mine, theirs in zip(ours, part):
+            close(mine.grad[0, start : start + n], theirs.grad.transpose(0, 1))
+        start += n
 
 
 def check_pipeline(max_batch_size: int, micro_batch_tokens: int, prompts: int) -> None:

@@ -107,6 +107,37 @@ def test_attention_is_the_same_prefilled_packed_or_decoded():
     assert torch.equal(decoded, packed[rows])
 
 
+def test_attention_gradients_are_flash_attentions_from_the_invariant_forward():
+    """The bitwise mode's attention backward is flash's, fed the invariant kernel's output and
+    log-sum-exp instead of a recomputed flash forward: the log-sum-exp must be flash's own, and the
+    gradients those of the default mode's flash attention (within bf16 tolerance)."""
+    from model.attention import packed_attention, sequence_layout
+
+    kernels = _kernels()
+    torch.manual_seed(5)
+    H, Hkv, D = 8, 4, 128
+    lengths = [1, 70, 16, 129, 5]
+    N = sum(lengths)
+    q, k, v = (torch.randn(1, N, h, D, device=DEVICE, dtype=torch.bfloat16) for h in (H, Hkv, Hkv))
+    upstream = torch.randn(1, N, H, D, device=DEVICE, dtype=torch.bfloat16)
+    doc_ids = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None]
+    layout = sequence_layout(doc_ids, (1, N), DEVICE)
+    _, lse = kernels.packed_attention(q[0], k[0], v[0], layout.cu_seqlens, layout.max_len, with_lse=True)
+    flash_lse = torch.ops.aten._flash_attention_forward(q[0], k[0], v[0], layout.cu_seqlens, layout.cu_seqlens,
+                                                        layout.max_len, layout.max_len, 0.0, True, False)[1]
+    assert flash_lse.shape == lse.shape
+    torch.testing.assert_close(lse, flash_lse, atol=1e-3, rtol=1e-4)
+    grads = {}
+    for bitwise in (True, False):
+        batch_invariant.enable(bitwise)
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        (packed_attention(*leaves, layout).float() * upstream.float()).sum().backward()
+        grads[bitwise] = [t.grad.float() for t in leaves]
+    for name, ours, flash in zip("qkv", grads[True], grads[False]):
+        # bf16 gradients from outputs that differ in their last bits: close as a whole, not per element.
+        assert float((ours - flash).norm() / flash.norm()) < 1e-2, name
+
+
 @pytest.fixture(scope="module")
 def one_rank_group():
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
