@@ -37,6 +37,8 @@ def check_matmul() -> None:
     close(full, F.linear(x, w, bias))
     for start, rows in ((0, 1), (3, 7), (128, 129), (37, 263)):
         assert torch.equal(kernels.matmul(x[start : start + rows], w, bias, torch.float32), full[start : start + rows])
+    for tiles in kernels.MATMUL_TILES:  # each tile's index arithmetic and masks, at a width none divides
+        assert torch.equal(kernels.matmul(x, w, bias, torch.float32, tiles), full)
     parts = [kernels.matmul(x, part, b, torch.float32) for part, b in zip(w.split([120, 50, 30]), bias.split([120, 50, 30]))]
     assert torch.equal(torch.cat(parts, dim=1), full)
     assert kernels.matmul(x[:0], w, None, torch.float32).shape == (0, 200)

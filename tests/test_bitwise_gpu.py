@@ -54,8 +54,14 @@ def test_matmul_rows_ignore_row_count_offset_and_weight_split():
     w = torch.randn(1536, 576, device=DEVICE, dtype=torch.bfloat16) / 24
     full = kernels.matmul(x, w, None, torch.bfloat16)
     torch.testing.assert_close(full.float(), F.linear(x, w).float(), atol=2e-2, rtol=2e-2)
-    for start, rows in ((0, 1), (0, 7), (3, 64), (100, 129), (700, 800)):
+    counts = (1, 7, 64, 129, 800)
+    for start, rows in zip((0, 0, 3, 100, 700), counts):
         assert torch.equal(kernels.matmul(x[start : start + rows], w, None, torch.bfloat16), full[start : start + rows])
+    # The tile follows the shape (matmul_tiles): the row counts above take more than one, and every
+    # tile gives each row the same bits.
+    assert len({kernels.matmul_tiles(rows, 1536, DEVICE) for rows in counts}) > 1
+    for tiles in kernels.MATMUL_TILES:
+        assert torch.equal(kernels.matmul(x, w, None, torch.bfloat16, tiles), full)
     split = torch.cat([kernels.matmul(x, part, None, torch.bfloat16) for part in w.split([1024, 256, 256])], dim=1)
     assert torch.equal(split, full)
     logits = kernels.matmul(x[:9], w, None, torch.float32)
