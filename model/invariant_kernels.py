@@ -90,7 +90,7 @@ def _multiprocessors(device: torch.device) -> int:
 def matmul_tiles(M: int, N: int, device: torch.device) -> tuple[int, int, int, int, int]:
     """The tile of an [M, N] output: the largest of MATMUL_TILES whose programs fill at least half
     of the device's multiprocessors, else the smallest. On an H100, at the projection shapes of two
-    models and 64 to 16,384 rows, this took at most 1.16× the fastest of eight tiles' time, and up
+    models and 64 to 16,384 rows, this took at most 1.2× the fastest of eight tiles' time, and up
     to 2.3× less than the 128 × 128 tile alone at decode's row counts (bench/RESULTS.md)."""
     for tiles in MATMUL_TILES[:-1]:
         if 2 * triton.cdiv(M, tiles[0]) * triton.cdiv(N, tiles[1]) >= _multiprocessors(device):
