@@ -190,6 +190,20 @@ def test_without_a_store_every_rank_says_its_line(monkeypatch, capsys):
     error_report.attach(None)
 
 
+def test_a_config_error_reaches_torchruns_summary_from_any_rank(monkeypatch, capsys, tmp_path):
+    """Every rank finds a bad config; rank 0 prints it, and the others write it where torchrun's
+    summary reads its root cause: torchrun's SIGTERM, sent when the first rank exits, may stop rank 0
+    before it printed."""
+    from grpo.distributed import error_report
+
+    for rank in (1, 0):
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / f"error{rank}.json"))
+        error_report.config_error(f"config error: from rank {rank}")
+        assert json.loads((tmp_path / f"error{rank}.json").read_text())["message"] == f"config error: from rank {rank}"
+    assert capsys.readouterr().err.splitlines() == ["config error: from rank 0"]
+
+
 def test_a_kv_slot_too_small_for_the_longest_prompt_stops_before_any_model_loads(checkpoint, tmp_path, capsys,
                                                                                  monkeypatch):
     """generation.max_seq_len set below the longest prompt plus max_new_tokens: one line at start-up

@@ -89,9 +89,14 @@ def lost_peers(line: str) -> None:
 
 
 def config_error(line: str) -> None:
-    """A bad config, found the same way on every rank before any process group: rank 0 says it."""
+    """A bad config, found the same way on every rank before any process group: rank 0 says it.
+    Every rank writes it to torchrun's error file: torchrun answers the first rank's exit with
+    SIGTERM to the others, which may stop rank 0 before it has printed, and its summary then shows
+    the first rank's file."""
     if _rank() == 0:
         _say(line)
+    else:
+        _write_error_file(line)
 
 
 def _say(line: str) -> None:
