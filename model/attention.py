@@ -170,10 +170,16 @@ class _FlashVarlen(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         q, k, v, out, lse, cu_q, cu_k, rng_state, unused = ctx.saved_tensors
-        dq, dk, dv = torch.ops.aten._flash_attention_backward(
-            grad_out.contiguous(), q, k, v, out, lse, cu_q, cu_k, ctx.max_q, ctx.max_k, 0.0, True, rng_state, unused
-        )
+        dq, dk, dv = _flash_backward(grad_out, q, k, v, out, lse, cu_q, cu_k, ctx.max_q, ctx.max_k, rng_state, unused)
         return dq, dk, dv, None, None, None, None
+
+
+def _flash_backward(grad, q, k, v, out, lse, cu_q, cu_k, max_q: int, max_k: int, rng_state, unused):
+    """aten's causal flash backward without dropout, from the forward's output and log-sum-exp
+    [H, N]: dq, dk, dv."""
+    return torch.ops.aten._flash_attention_backward(
+        grad.contiguous(), q, k, v, out, lse, cu_q, cu_k, max_q, max_k, 0.0, True, rng_state, unused
+    )
 
 
 def _invariant_grads(layout: SequenceLayout):
@@ -186,10 +192,8 @@ def _invariant_grads(layout: SequenceLayout):
         if uses_flash(q):
             # Without dropout flash reads no random state: its forward returns empty placeholders.
             no_rng = torch.empty((), dtype=torch.int64)
-            return torch.ops.aten._flash_attention_backward(
-                grad.contiguous(), q, k, v, out, lse, layout.cu_seqlens, layout.cu_seqlens, layout.max_len,
-                layout.max_len, 0.0, True, no_rng, no_rng,
-            )
+            cu, n = layout.cu_seqlens, layout.max_len
+            return _flash_backward(grad, q, k, v, out, lse, cu, cu, n, n, no_rng, no_rng)
         q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
         with torch.enable_grad():
             again = _by_length(q, k, v, layout.bounds)
