@@ -4,8 +4,10 @@ one-intra-op-thread scope for the test process."""
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing
 import os
+import signal
 import socket
 import time
 import traceback
@@ -70,6 +72,10 @@ def abandon_group() -> None:
 def _entry(
     rank: int, world_size: int, port: int, out_dir: str, fn: Callable[[int, int], Any], collective_timeout_s: float
 ) -> None:
+    # A rank stopped from outside (the run's deadline, or a failed peer) leaves its threads' stacks
+    # for the parent's error: the one clue to a hang outside a collective, where no timeout fires.
+    stacks = open(Path(out_dir) / f"rank{rank}.stacks", "w")  # noqa: SIM115 - open until the process ends
+    faulthandler.register(signal.SIGTERM, file=stacks, chain=True)
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size)
     )
@@ -125,9 +131,21 @@ def run_ranks(
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"ranks still running after {timeout_s} s (hang?)")
     except Exception as exc:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
+        _stop(context.processes)
         errors = "\n".join(p.read_text() for p in sorted(out_dir.glob("*.error")))
+        errors += "".join(f"\n{p.stem}'s threads when it was stopped:\n{p.read_text()}"
+                          for p in sorted(out_dir.glob("*.stacks")) if p.stat().st_size)
         raise RuntimeError(f"distributed run failed: {exc}\n{errors}") from exc
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
+
+
+def _stop(processes: list) -> None:
+    """SIGTERM first, so that each rank writes its stacks, then SIGKILL for any still alive after 2 s."""
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+    give_up = time.monotonic() + 2.0
+    for process in processes:
+        process.join(timeout=max(0.0, give_up - time.monotonic()))
+        if process.is_alive():
+            process.kill()
