@@ -25,7 +25,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from model import batch_invariant, fa4
+from model import batch_invariant, fa4, flash, shared_prefix
+from model.flash import fast_kernels_serve, uses_flash
+from model.shared_prefix import SharedPrefixes
 
 PACKED_KERNELS = ("flash", "fa4")
 # The CUDA kernel behind `packed_attention` outside batch-invariant mode (`model.train_attention`).
@@ -38,18 +40,6 @@ def set_packed_kernel(name: str) -> None:
     if name not in PACKED_KERNELS:
         raise ValueError(f"packed attention kernel {name!r}: expected one of {PACKED_KERNELS}")
     _packed_kernel["name"] = name
-
-
-@dataclass
-class SharedPrefixes:
-    """Keys of sequences that continue a shared prefix (grouped sequences, see sequence_layout):
-    sequence s attends to the flat tokens key_index[key_bounds[s]:key_bounds[s + 1]], its group's
-    prefix and then itself, causally aligned at its end (its own tokens' keys last)."""
-
-    key_index: torch.Tensor  # [Nk] int64, on the tokens' device
-    cu_k: torch.Tensor  # [S + 1] int32, on the tokens' device
-    key_bounds: list[int]
-    max_k: int
 
 
 @dataclass
@@ -104,26 +94,38 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.to(device)
 
 
-def _shared_prefixes(doc_ids: torch.Tensor, group_ids: torch.Tensor, bounds: list[int], device: torch.device):
-    """SharedPrefixes of the runs `bounds` (see sequence_layout's group_ids)."""
-    starts = bounds[:-1]
-    groups, docs = group_ids[starts].tolist(), doc_ids[starts].tolist()
-    prefix = {g: (a, b) for g, d, a, b in zip(groups, docs, starts, bounds[1:]) if g >= 0 and d == -1}
-    spans, key_bounds = [], [0]  # the (start, end) runs of keys, sequence after sequence
-    for g, d, a, b in zip(groups, docs, starts, bounds[1:]):
-        own = b - a
-        if g >= 0 and d != -1:
-            if g not in prefix:
-                raise ValueError(f"packed sequence of group {g} has no prefix run (doc id -1) in its rows")
-            spans.append(prefix[g])
-            own += prefix[g][1] - prefix[g][0]
-        spans.append((a, b))
-        key_bounds.append(key_bounds[-1] + own)
-    starts_t, ends_t = torch.tensor(spans, dtype=torch.long).unbind(1)
-    key_index = concat_ranges(starts_t, ends_t - starts_t)
-    max_k = max(b - a for a, b in zip(key_bounds[:-1], key_bounds[1:]))
-    cu_k = to_device(torch.tensor(key_bounds, dtype=torch.int32), device)
-    return SharedPrefixes(to_device(key_index, device), cu_k, key_bounds, max_k)
+def _shared_prefixes(
+    doc_ids: torch.Tensor, group_ids: torch.Tensor, bounds: list[int], device: torch.device
+) -> SharedPrefixes:
+    """SharedPrefixes of the runs `bounds` (see sequence_layout's group_ids): a segment per group
+    from its prefix run on, which must hold the group's other runs."""
+    runs = list(zip(group_ids[bounds[:-1]].tolist(), doc_ids[bounds[:-1]].tolist(), bounds[:-1], bounds[1:]))
+    prefixes = {g: (a, b) for g, d, a, b in runs if g >= 0 and d == -1}  # in the order of the token axis
+    segment_bounds = [0] + [a for a, _ in list(prefixes.values())[1:]] + [bounds[-1]]
+    segment = {g: s for s, g in enumerate(prefixes)}
+    for g, d, a, b in runs:
+        if g < 0 or d == -1:
+            continue
+        if g not in prefixes:
+            raise ValueError(f"packed sequence of group {g} has no prefix run (doc id -1) in its rows")
+        s = segment[g]
+        if not segment_bounds[s] <= a < b <= segment_bounds[s + 1]:
+            raise ValueError(f"packed sequence of group {g} (tokens {a}:{b}) lies outside its group's segment "
+                             f"(tokens {segment_bounds[s]}:{segment_bounds[s + 1]}, from its prefix run to the next)")
+    starts, ends = torch.tensor(list(prefixes.values()), dtype=torch.long).unbind(1)
+    prefix_bounds = [0] + torch.cumsum(ends - starts, 0).tolist()
+    flags = torch.tensor([g >= 0 and d != -1 for g, d, _, _ in runs])
+    continues = flags.repeat_interleave(torch.tensor([b - a for _, _, a, b in runs]), output_size=bounds[-1])
+    return SharedPrefixes(
+        cu_segments=to_device(torch.tensor(segment_bounds, dtype=torch.int32), device),
+        segment_bounds=segment_bounds,
+        max_segment=max(b - a for a, b in zip(segment_bounds[:-1], segment_bounds[1:])),
+        prefix_index=to_device(concat_ranges(starts, ends - starts), device),
+        cu_prefix=to_device(torch.tensor(prefix_bounds, dtype=torch.int32), device),
+        prefix_bounds=prefix_bounds,
+        max_prefix=int((ends - starts).max()),
+        continues=to_device(continues, device),
+    )
 
 
 def concat_ranges(starts: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
@@ -131,55 +133,6 @@ def concat_ranges(starts: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
     vectorised ops rather than one arange per run."""
     total = int(lens.sum())
     return torch.arange(total) + (starts - (lens.cumsum(0) - lens)).repeat_interleave(lens, output_size=total)
-
-
-def fast_kernels_serve(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether the CUDA kernels (flash attention, our decode kernel) serve this device and dtype."""
-    return device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
-
-
-def uses_flash(t: torch.Tensor) -> bool:
-    """Whether the fast kernels serve tensors like t."""
-    return fast_kernels_serve(t.device, t.dtype)
-
-
-class _FlashVarlen(torch.autograd.Function):
-    """Causal flash attention within each sequence of a packed axis, with its backward:
-    q [N, H, D], k/v [N, Hkv, D] (the kernel serves grouped K/V heads) -> [N, H, D].
-
-    Straight on PyTorch's aten flash ops, the kernels `torch.nn.attention.varlen.varlen_attn` runs:
-    its output and K/V gradients are the same bits (the query gradient's atomic sums vary from run
-    to run with either). That function goes through a Python custom op, and the trainer calls it
-    once per layer per micro-batch: on one H200, a forward and backward at 16k tokens cost the host
-    487 µs here against 802 µs (bench/RESULTS.md). It needs no probing of which keywords the
-    installed release's `varlen_attn` takes.
-
-    Keys may be laid out apart from the queries (cu_k, max_k: a shared prefix's keys gathered before
-    each sequence's own); causal attention then aligns each sequence's queries with its last keys.
-    """
-
-    @staticmethod
-    def forward(ctx, q, k, v, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int, max_k: int) -> torch.Tensor:
-        out, lse, rng_state, unused, _ = torch.ops.aten._flash_attention_forward(
-            q, k, v, cu_q, cu_k, max_q, max_k, 0.0, True, False
-        )
-        ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, rng_state, unused)
-        ctx.max_q, ctx.max_k = max_q, max_k
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):
-        q, k, v, out, lse, cu_q, cu_k, rng_state, unused = ctx.saved_tensors
-        dq, dk, dv = _flash_backward(grad_out, q, k, v, out, lse, cu_q, cu_k, ctx.max_q, ctx.max_k, rng_state, unused)
-        return dq, dk, dv, None, None, None, None
-
-
-def _flash_backward(grad, q, k, v, out, lse, cu_q, cu_k, max_q: int, max_k: int, rng_state, unused):
-    """aten's causal flash backward without dropout, from the forward's output and log-sum-exp
-    [H, N]: dq, dk, dv."""
-    return torch.ops.aten._flash_attention_backward(
-        grad.contiguous(), q, k, v, out, lse, cu_q, cu_k, max_q, max_k, 0.0, True, rng_state, unused
-    )
 
 
 def _invariant_grads(layout: SequenceLayout):
@@ -190,10 +143,8 @@ def _invariant_grads(layout: SequenceLayout):
 
     def grads(grad, q, k, v, out, lse):
         if uses_flash(q):
-            # Without dropout flash reads no random state: its forward returns empty placeholders.
-            no_rng = torch.empty((), dtype=torch.int64)
             cu, n = layout.cu_seqlens, layout.max_len
-            return _flash_backward(grad, q, k, v, out, lse, cu, cu, n, n, no_rng, no_rng)
+            return flash.backward(grad, q, k, v, out, lse, cu, cu, n, n, True)
         q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
         with torch.enable_grad():
             again = _by_length(q, k, v, layout.bounds)
@@ -204,8 +155,7 @@ def _invariant_grads(layout: SequenceLayout):
 
 def _varlen_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SequenceLayout) -> torch.Tensor:
     """Flash varlen attention with autograd: q [N, H, D], k/v [N, Hkv, D] -> [N, H, D]."""
-    cu, n = layout.cu_seqlens, layout.max_len
-    return _FlashVarlen.apply(q, k, v, cu, cu, n, n)
+    return flash.FlashVarlen.apply(q, k, v, layout.cu_seqlens, layout.max_len)
 
 
 def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SequenceLayout) -> torch.Tensor:
@@ -238,22 +188,10 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
 
 def _with_shared_prefixes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SequenceLayout) -> torch.Tensor:
     """packed_attention's flat q [N, H, D], k/v [N, Hkv, D] where sequences also attend to a shared
-    prefix: each sequence's keys (its prefix's, then its own) gathered into one packed key axis, so
-    the prefix is computed once and attended by every sequence of its group. On CUDA one flash
-    call; the gather's backward adds each sequence's share of the prefix keys' gradient.
-
-    The gather is index_select, whose backward is an index_add rather than advanced indexing's
-    accumulating index_put (which sorts the indices first): at a realistic micro-batch's size 4×
-    faster on a CPU and 1.07–1.65× on an H200 (bench/prefix_gather.py, bench/RESULTS.md), and
-    deterministic under torch.use_deterministic_algorithms."""
-    shared = layout.shared
+    prefix (model/shared_prefix.py)."""
     if _packed_kernel["name"] != "flash" and uses_flash(q):
         raise ValueError('shared prompt prefixes need model.train_attention = "flash"')
-    k, v = k.index_select(0, shared.key_index), v.index_select(0, shared.key_index)
-    if uses_flash(q):
-        return _FlashVarlen.apply(q, k, v, layout.cu_seqlens, shared.cu_k, layout.max_len, shared.max_k)
-    # Each sequence's queries are the last tokens of its key sequence: suffix_prefill's reference path.
-    return suffix_prefill(q, k, v, layout.cu_seqlens, shared.cu_k, layout.max_len, shared.max_k)
+    return shared_prefix.attend(q, k, v, layout.cu_seqlens, layout.bounds, layout.max_len, layout.shared)
 
 
 def _by_length(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: list[int]) -> torch.Tensor:
@@ -288,10 +226,6 @@ def check_decode_kernel(n_heads: int, n_kv_heads: int, head_dim: int, device: to
         raise ValueError(f"generator: the CUDA decode kernel does not support {reason}; use model.dtype = \"float32\"")
 
 
-def _flash(q, k, v, cu_q, cu_k, max_q, max_k, causal):
-    return torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False)[0]
-
-
 def varlen_prefill(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int
 ) -> torch.Tensor:
@@ -305,7 +239,7 @@ def varlen_prefill(
             return batch_invariant.kernel_packed_attention(q, k, v, cu_seqlens, max_len)
         return batch_invariant.packed_attention(q, k, v, cu_seqlens.tolist())
     if uses_flash(q):
-        return _flash(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, True)
+        return flash.forward(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, True)[0]
     return _by_length(q, k, v, cu_seqlens.tolist())
 
 
@@ -320,7 +254,7 @@ def suffix_prefill(
     position (keys - queries + j): causal, aligned at the end (as flash attention aligns it).
     """
     if uses_flash(q):
-        return _flash(q, k, v, cu_q, cu_k, max_q, max_k, True)
+        return flash.forward(q, k, v, cu_q, cu_k, max_q, max_k, True)[0]
     out = torch.empty_like(q)
     for qa, qb, ka, kb in zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), cu_k[:-1].tolist(), cu_k[1:].tolist()):
         n_q, n_k = qb - qa, kb - ka

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -532,19 +533,60 @@ def test_sequence_layout_reads_runs_of_equal_doc_ids_per_row():
     assert sequence_layout(None, (2, 6), torch.device("cpu")).bounds == [0, 6, 12]
 
 
-def test_sequence_layout_gathers_each_groups_prefix_before_its_sequences():
-    """group_ids: group 0's prefix (doc id -1, tokens 0-1) is attended to by its sequences 5 and 6
-    (tokens 2-3, 4), before their own keys; sequence 2 (tokens 5-7) is in no group."""
-    doc_ids = torch.tensor([[-1, -1, 5, 5, 6, 2, 2, 2]])
-    group_ids = torch.tensor([[0, 0, 0, 0, 0, -1, -1, -1]])
-    layout = sequence_layout(doc_ids, (1, 8), torch.device("cpu"), group_ids)
-    assert layout.bounds == [0, 2, 4, 5, 8]
+def test_sequence_layout_cuts_a_segment_per_group_from_its_prefix():
+    """group_ids: group 0's prefix (doc id -1, tokens 0-1) is continued by its sequences 5 and 6
+    (tokens 2-3, 4); sequence 2 (tokens 5-7) is in no group; group 1's prefix (tokens 8-10) is
+    continued by sequence 7 (tokens 11-12)."""
+    doc_ids = torch.tensor([[-1, -1, 5, 5, 6, 2, 2, 2, -1, -1, -1, 7, 7]])
+    group_ids = torch.tensor([[0, 0, 0, 0, 0, -1, -1, -1, 1, 1, 1, 1, 1]])
+    layout = sequence_layout(doc_ids, (1, 13), torch.device("cpu"), group_ids)
+    assert layout.bounds == [0, 2, 4, 5, 8, 11, 13]
     shared = layout.shared
-    assert shared.key_index.tolist() == [0, 1, 0, 1, 2, 3, 0, 1, 4, 5, 6, 7]
-    assert shared.key_bounds == [0, 2, 6, 9, 12] and shared.cu_k.tolist() == shared.key_bounds and shared.max_k == 4
-    assert sequence_layout(doc_ids, (1, 8), torch.device("cpu"), torch.full((1, 8), -1)).shared is None
+    assert shared.segment_bounds == [0, 8, 13] and shared.cu_segments.tolist() == [0, 8, 13] and shared.max_segment == 8
+    assert shared.prefix_index.tolist() == [0, 1, 8, 9, 10]
+    assert shared.prefix_bounds == [0, 2, 5] and shared.cu_prefix.tolist() == [0, 2, 5] and shared.max_prefix == 3
+    assert shared.continues.tolist() == [False, False, True, True, True, False, False, False, False, False, False,
+                                         True, True]
+    assert sequence_layout(doc_ids, (1, 13), torch.device("cpu"), torch.full((1, 13), -1)).shared is None
     with pytest.raises(ValueError, match="group 3 has no prefix run"):
         sequence_layout(torch.tensor([[4, 4]]), (1, 2), torch.device("cpu"), torch.tensor([[3, 3]]))
+    with pytest.raises(ValueError, match="group 0 \\(tokens 5:6\\) lies outside its group's segment"):
+        sequence_layout(torch.tensor([[-1, 4, -1, -1, 5, 6]]), (1, 6), torch.device("cpu"),
+                        torch.tensor([[0, 0, 1, 1, 1, 0]]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_shared_prefix_attention_equals_each_sequence_after_its_prefix(dtype):
+    """Two groups (prefixes of 3 and 1 tokens) and a lone sequence, GQA, forward and gradients,
+    against one causal SDPA per sequence over its prefix's keys then its own, in float64."""
+    gen = torch.Generator().manual_seed(6)
+    doc_ids = torch.tensor([[9, 9, -1, -1, -1, 0, 0, 1, 1, 1, 1, 2, -1, 3, 3, 3]])
+    group_ids = torch.tensor([[-1, -1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1]])
+    N, H, Hkv, D = 16, 4, 2, 8
+    q, k, v = (torch.randn(1, N, h, D, generator=gen, dtype=torch.float64) for h in (H, Hkv, Hkv))
+    grad = torch.randn(1, N, H, D, generator=gen, dtype=torch.float64)
+    layout = sequence_layout(doc_ids, (1, N), torch.device("cpu"), group_ids)
+    inputs = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+    packed_attention(*inputs, layout).backward(grad.to(dtype))
+
+    ref = [t.clone().requires_grad_() for t in (q, k, v)]
+    # (own tokens, prefix tokens) of each sequence
+    sequences = [(range(0, 2), range(0)), (range(2, 5), range(0)), (range(5, 7), range(2, 5)),
+                 (range(7, 11), range(2, 5)), (range(11, 12), range(2, 5)), (range(12, 13), range(0)),
+                 (range(13, 16), range(12, 13))]
+    out = torch.zeros(N, H, D, dtype=torch.float64)
+    for own, prefix in sequences:
+        keys = list(prefix) + list(own)
+        visible = torch.arange(len(keys))[None, :] <= torch.arange(len(prefix), len(keys))[:, None]
+        out[list(own)] = F.scaled_dot_product_attention(
+            ref[0][0, list(own)].transpose(0, 1), ref[1][0, keys].transpose(0, 1), ref[2][0, keys].transpose(0, 1),
+            attn_mask=visible, enable_gqa=True).transpose(0, 1)
+    out.backward(grad[0])
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    for got, want in zip(inputs, ref):
+        torch.testing.assert_close(got.grad.double(), want.grad, atol=tol, rtol=tol)
+    torch.testing.assert_close(packed_attention(*(t.to(dtype) for t in (q, k, v)), layout)[0].double(), out.detach(),
+                               atol=tol, rtol=tol)
 
 
 def test_packed_attention_equals_each_sequence_alone():
