@@ -112,8 +112,8 @@ def check_train_attention(cfg: Config) -> None:
         raise ConfigError('model.train_attention = "fa4" needs bf16 compute (model.dtype = "auto" or "bfloat16")')
     if cfg.training.share_prompts:
         raise ConfigError(
-            'training.share_prompts = true needs model.train_attention = "flash": the shared prompt\'s keys are '
-            "gathered for aten's flash kernel"
+            'training.share_prompts = true needs model.train_attention = "flash": a shared prompt is attended '
+            "through two of aten's flash calls merged by their log-sum-exps (model/shared_prefix.py)"
         )
     # Imported here: reading a config must not load torch.
     from model.fa4 import fa4_problem
