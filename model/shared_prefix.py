@@ -83,8 +83,8 @@ class _PrefixAttention(torch.autograd.Function):
         dq_prefix, dk_prefix, dv_prefix = _backward(
             ctx.fast, grad, q, prefix_k, prefix_v, out, prefix_lse, ctx.prefix, causal=False
         )
-        dk = dk.index_add(0, shared.prefix_index, dk_prefix.to(dk.dtype))
-        dv = dv.index_add(0, shared.prefix_index, dv_prefix.to(dv.dtype))
+        dk = dk.index_add(0, shared.prefix_index, dk_prefix)
+        dv = dv.index_add(0, shared.prefix_index, dv_prefix)
         return dq + dq_prefix, dk, dv, None, None, None, None
 
 
