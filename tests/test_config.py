@@ -388,6 +388,10 @@ def test_wrong_type_in_file(tmp_path):
     path = tmp_path / "c.toml"
     path.write_text("[training]\nsteps = \"ten\"\n")
     assert error("--config", str(path)) == "config key 'training.steps' expects int, got str ('ten')"
+    # A word key given a TOML bool names its words (training.share_prompts took true/false once).
+    path.write_text("[training]\nshare_prompts = true\n")
+    assert error("--config", str(path)) == (
+        "config key 'training.share_prompts' expects one of \"auto\", \"on\", \"off\", got bool (True)")
 
 
 def test_missing_and_malformed_file(tmp_path):
@@ -490,8 +494,27 @@ def test_bitwise_logprobs_refusals_name_the_key_and_the_reason(monkeypatch):
     message = error("--job.bitwise_logprobs=true", "--job.device=cpu", "--parallelism.generator_ranks=2",
                     "--parallelism.generator_tp=2", world_size=3)
     assert "job.bitwise_logprobs" in message and "generator_tp = 1" in message
-    message = error("--job.bitwise_logprobs=true", "--job.device=cpu", "--training.share_prompts=true")
-    assert "training.share_prompts = true does not apply with job.bitwise_logprobs = true" in message
+    message = error("--job.bitwise_logprobs=true", "--job.device=cpu", "--training.share_prompts=on")
+    assert 'training.share_prompts = "on" does not apply with job.bitwise_logprobs = true' in message
+    assert load("--job.bitwise_logprobs=true", "--job.device=cpu").training.share_prompts == "auto"
+
+
+def test_share_prompts_auto_is_on_only_with_the_flash_kernel_in_bf16_on_cuda():
+    import torch
+
+    from grpo.run.rank import shares_prompts
+
+    cuda, cpu, bf16, fp32 = torch.device("cuda"), torch.device("cpu"), torch.bfloat16, torch.float32
+    assert load().training.share_prompts == "auto"
+    assert shares_prompts(load(), bf16, cuda)
+    assert not shares_prompts(load(), fp32, cuda)
+    assert not shares_prompts(load(), fp32, cpu)
+    assert not shares_prompts(load("--job.bitwise_logprobs=true", "--job.device=cpu"), bf16, cuda)
+    fa4 = load()
+    fa4.model.train_attention = "fa4"  # its own checks need a Hopper GPU with the package
+    assert not shares_prompts(fa4, bf16, cuda)
+    assert shares_prompts(load("--training.share_prompts=on"), fp32, cpu)
+    assert not shares_prompts(load("--training.share_prompts=off"), bf16, cuda)
 
 
 def test_fa4_train_attention_refusals_name_the_key_and_the_reason(monkeypatch):
@@ -506,8 +529,8 @@ def test_fa4_train_attention_refusals_name_the_key_and_the_reason(monkeypatch):
     assert "job.bitwise_logprobs" in message and 'train_attention = "flash"' in message
     message = error('--model.train_attention="fa4"', "--job.device=cuda", '--model.dtype="float32"')
     assert "bf16" in message
-    message = error('--model.train_attention="fa4"', "--job.device=cuda", "--training.share_prompts=true")
-    assert 'training.share_prompts = true needs model.train_attention = "flash"' in message
+    message = error('--model.train_attention="fa4"', "--job.device=cuda", "--training.share_prompts=on")
+    assert 'training.share_prompts = "on" needs model.train_attention = "flash"' in message
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
     message = error('--model.train_attention="fa4"', "--job.device=cuda")
     assert "compute capability 9.0 or newer" in message and "8.0" in message

@@ -233,17 +233,19 @@ def test_a_reward_error_during_generation_stops_the_run_with_one_line(tmp_path):
 
 @pytest.mark.parametrize("nproc, mode", [(None, "colocated"), (3, "split")])
 def test_shared_prompts_train_as_the_plain_layout(tmp_path, nproc, mode):
-    """training.share_prompts: each group's prompt computed once in training; the first update is
-    the plain layout's (up to fp32 rounding), with fewer tokens computed."""
+    """training.share_prompts = "on": each group's prompt computed once in training; the first update
+    is the plain layout's (up to fp32 rounding), with fewer tokens computed. "auto" (the default)
+    keeps the plain layout on the CPU, and says so."""
     rows = {}
-    for share in ("false", "true"):
+    for share in ("auto", "on"):
         result = launch([*SHORT, f"--parallelism.mode={mode}", f"--training.share_prompts={share}",
                          f"--job.output_dir={tmp_path / share}"], nproc=nproc)
         assert result.returncode == 0, result.stderr[-3000:]
+        assert ('training.share_prompts = "auto": off' in result.stdout) == (share == "auto")  # CPU: fp32
         rows[share] = metrics(tmp_path / share)[1:]
-    plain, shared = rows["false"][0], rows["true"][0]
+    plain, shared = rows["auto"][0], rows["on"][0]
     assert shared["reward/mean"] == plain["reward/mean"]
     assert shared["loss/policy"] == pytest.approx(plain["loss/policy"], rel=1e-4, abs=1e-7)
     assert shared["loss/grad_norm"] == pytest.approx(plain["loss/grad_norm"], rel=1e-4)
     assert "train/tokens_computed" not in plain and "train/tokens_computed" in shared  # counted: tests/test_trainer.py
-    assert len(rows["true"]) == 3
+    assert len(rows["on"]) == 3

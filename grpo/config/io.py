@@ -115,7 +115,10 @@ def _coerce(key: str, value: Any, typ: Any) -> Any:
             )
     elif _is_a(value, typ):
         return float(value) if typ is float else value
-    type_name = "str" if _is_text(typ) else typ if typing.get_origin(typ) else typ.__name__
+    if typing.get_origin(typ) is typing.Literal:
+        type_name = "one of " + ", ".join(f'"{word}"' for word in typing.get_args(typ))
+    else:
+        type_name = "str" if typ is str else typ if typing.get_origin(typ) else typ.__name__
     raise ConfigError(f"config key '{key}' expects {type_name}, got {type(value).__name__} ({value!r})")
 
 

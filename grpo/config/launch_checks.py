@@ -91,10 +91,10 @@ def check_bitwise(cfg: Config) -> None:
             "job.bitwise_logprobs = true needs parallelism.generator_tp = 1: a tensor-parallel engine sums "
             "partial products in another order than the trainer's whole matmuls"
         )
-    if cfg.training.share_prompts:
+    if cfg.training.share_prompts == "on":
         raise ConfigError(
-            "training.share_prompts = true does not apply with job.bitwise_logprobs = true: the batch-invariant "
-            "attention kernel runs each episode whole; set training.share_prompts = false"
+            'training.share_prompts = "on" does not apply with job.bitwise_logprobs = true: the batch-invariant '
+            'attention kernel runs each episode whole; set training.share_prompts = "auto" or "off"'
         )
 
 
@@ -110,9 +110,9 @@ def check_train_attention(cfg: Config) -> None:
         )
     if cfg.model.dtype == "float32":
         raise ConfigError('model.train_attention = "fa4" needs bf16 compute (model.dtype = "auto" or "bfloat16")')
-    if cfg.training.share_prompts:
+    if cfg.training.share_prompts == "on":
         raise ConfigError(
-            'training.share_prompts = true needs model.train_attention = "flash": a shared prompt is attended '
+            'training.share_prompts = "on" needs model.train_attention = "flash": a shared prompt is attended '
             "through two of aten's flash calls merged by their log-sum-exps (model/shared_prefix.py)"
         )
     # Imported here: reading a config must not load torch.

@@ -27,6 +27,7 @@ ParallelismMode = Literal["split", "colocated"]
 Schedule = Literal["sync", "async"]
 EngineName = Literal["native", "vllm"]
 TrainAttention = Literal["flash", "fa4"]
+SharePrompts = Literal["auto", "on", "off"]
 LossType = Literal["grpo", "dapo", "dr_grpo", "bnpo", "gspo"]
 KLEstimator = Literal["k1", "k2", "k3"]
 Baseline = Literal["mean", "leave_one_out"]
@@ -288,8 +289,9 @@ class TrainingConfig:
     # whole micro-batches; 0 = 4 micro-batches (these passes keep no activations)
     frozen_pass_tokens: int = 0
     # pack each prompt's episodes with the prompt once, as a prefix they all attend to: fewer tokens to train, the same
-    # log-probs (CPU, or CUDA with model.train_attention = "flash"; not with job.bitwise_logprobs)
-    share_prompts: bool = False
+    # log-probs | "auto": on where that trains faster (CUDA, bf16, model.train_attention = "flash", not
+    # job.bitwise_logprobs), else off | "on" (CPU, or CUDA with "flash"; not with job.bitwise_logprobs) | "off"
+    share_prompts: SharePrompts = "auto"
     # consecutive steps with a skipped update (non-finite loss or gradient norm) before the run stops, saving its state
     max_bad_steps: int = 3
     # "sync": generate a batch, then train on it | "async": generator ranks generate batch n + k while trainer ranks

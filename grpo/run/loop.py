@@ -54,6 +54,7 @@ def run_loop(cfg: Config, run: Run, resume: Path | None = None, stop: GracefulSt
     if is_leader:
         _announce_mfu(run)
         _announce_trainable(run)
+        _announce_shared_prompts(cfg, run)
         _announce_step_size(cfg)
     with logger, CollectorPauses() as collector:
         evals = _first_sync(cfg, run, logger, start_step, resume) or evals
@@ -271,6 +272,16 @@ def _announce_trainable(run: Run) -> None:
     how = "full fine-tuning" if run.lora is None else (
         f"LoRA rank {run.lora.rank} on {', '.join(run.lora.targets)}, base frozen in {str(run.dtype).removeprefix('torch.')}")
     print(f"trainable parameters: {trained:,} of {total:,} ({how})", flush=True)
+
+
+def _announce_shared_prompts(cfg: Config, run: Run) -> None:
+    if cfg.training.share_prompts != "auto":
+        return
+    if run.share_prompts:
+        print('training.share_prompts = "auto": on (CUDA, bf16, flash attention)', flush=True)
+    else:
+        print('training.share_prompts = "auto": off (it trains faster only with the flash kernel on CUDA in bf16, '
+              "without bitwise log-probs)", flush=True)
 
 
 def _announce_step_size(cfg: Config) -> None:

@@ -69,6 +69,15 @@ def compute_dtype(cfg: Config, device: torch.device) -> torch.dtype:
     return getattr(torch, cfg.model.dtype)
 
 
+def shares_prompts(cfg: Config, dtype: torch.dtype, device: torch.device) -> bool:
+    """training.share_prompts resolved: "auto" is on where the shared layout trains faster, aten's
+    flash kernel in bf16 on CUDA outside batch-invariant mode (bench/RESULTS.md, "Shared prompts")."""
+    if cfg.training.share_prompts != "auto":
+        return cfg.training.share_prompts == "on"
+    return (device.type == "cuda" and dtype != torch.float32 and cfg.model.train_attention == "flash"
+            and not cfg.job.bitwise_logprobs)
+
+
 def builtin_model_args(cfg: Config, vocab_size: int) -> ModelArgs:
     m = cfg.model
     return ModelArgs(
@@ -94,6 +103,7 @@ class Run:
         shapes here, before any model is built."""
         self.cfg, self.device, self.roles, self.scorer = cfg, device, roles, scorer
         self.dtype = compute_dtype(cfg, device)
+        self.share_prompts = shares_prompts(cfg, self.dtype, device)
         self.tokenizer, self.source = open_prompts(cfg)
         if cfg.model.path:
             self.args = ModelArgs.from_hf_dir(cfg.model.path)
@@ -150,7 +160,7 @@ class Run:
             total_steps=cfg.training.steps,
             micro_batch_tokens=cfg.training.micro_batch_tokens,
             frozen_pass_tokens=cfg.training.frozen_pass_tokens,
-            share_prompts=cfg.training.share_prompts,
+            share_prompts=self.share_prompts,
             temperature=cfg.generation.temperature,
             max_new_tokens=cfg.max_episode_tokens,
             activation_checkpointing=cfg.model.activation_checkpointing,
