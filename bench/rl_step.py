@@ -150,9 +150,14 @@ def main() -> None:
     needed = steps * override(extra, "data.prompts_per_step", 64) + override(extra, "eval.num_prompts", opts.eval_prompts)
     data = build_prompts(opts.workdir / "prompts.jsonl", needed)
 
-    run_dir = opts.workdir / "run"
-    # A leftover run would be resumed (checkpoint.resume = "auto") with nothing left to do.
-    shutil.rmtree(run_dir, ignore_errors=True)
+    # The run's folder, where its metrics are read back: a forwarded --job.output_dir moves it.
+    run_dir = Path(override(extra, "job.output_dir", str(opts.workdir / "run")))
+    # A leftover run would be resumed (checkpoint.resume = "auto") with nothing left to do: the
+    # bench's own folder is cleared, a folder the caller named must be new.
+    if run_dir == opts.workdir / "run":
+        shutil.rmtree(run_dir, ignore_errors=True)
+    elif run_dir.exists():
+        raise SystemExit(f"--job.output_dir={run_dir} exists; name a new folder (its run would be resumed)")
     args = [f"--{key}={value}" for key, value in defaults.items()] + workload_args(ckpt, data) + [
         *MEASURED_RUN, f"--job.output_dir={run_dir}",
     ]
