@@ -44,8 +44,9 @@ PER_STEP = (
     "episode/length_mean", "episode/truncated_frac", "logprob_diff/mean", "logprob_diff/max",
     "memory/generate_peak_gb", "memory/train_peak_gb", "time/generation_wait_s",
 )
+# train/tokens_computed: present only where prompts are shared (training.share_prompts).
 MEDIANS = PER_STEP[:9] + ("episode/length_mean", "episode/truncated_frac", "memory/generate_peak_gb", "memory/train_peak_gb",
-                          "time/generation_wait_s")
+                          "time/generation_wait_s", "train/loss_tokens", "train/tokens_computed")
 # Step 0's row: the whole policy's first sync and the trainable share.
 FIRST = ("weight_sync/full_s", "weight_sync/full_bytes", "model/trainable_params", "model/params")
 
