@@ -52,10 +52,7 @@ def run_loop(cfg: Config, run: Run, resume: Path | None = None, stop: GracefulSt
         cfg.job.output_dir, is_leader, cfg.metrics, cfg.training.steps, start_step, dataclasses.asdict(cfg)
     )
     if is_leader:
-        _announce_mfu(run)
-        _announce_trainable(run)
-        _announce_shared_prompts(cfg, run)
-        _announce_step_size(cfg)
+        _announce_start(cfg, run)
     with logger, CollectorPauses() as collector:
         evals = _first_sync(cfg, run, logger, start_step, resume) or evals
         if async_steps is not None:
@@ -255,6 +252,14 @@ def _announce_resume(cfg: Config, resume: Path, state: dict) -> None:
             file=sys.stderr,
             flush=True,
         )
+
+
+def _announce_start(cfg: Config, run: Run) -> None:
+    """What the run will measure, train and how much a step holds, before its first sync."""
+    _announce_mfu(run)
+    _announce_trainable(run)
+    _announce_shared_prompts(cfg, run)
+    _announce_step_size(cfg)
 
 
 def _announce_mfu(run: Run) -> None:
