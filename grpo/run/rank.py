@@ -51,6 +51,7 @@ from grpo.train.export import export_bytes, export_hf
 from grpo.train.memory import explain_out_of_memory
 from grpo.train.trainer import Trainer
 from model import ModelArgs, Transformer, from_hf
+from model.flash import fast_kernels_serve
 from model.lora import LoRASpec, trained_shapes
 from rewards import RewardError
 
@@ -71,11 +72,10 @@ def compute_dtype(cfg: Config, device: torch.device) -> torch.dtype:
 
 def shares_prompts(cfg: Config, dtype: torch.dtype, device: torch.device) -> bool:
     """training.share_prompts resolved: "auto" is on where the shared layout trains faster, aten's
-    flash kernel in bf16 on CUDA outside batch-invariant mode (bench/RESULTS.md, "Shared prompts")."""
+    flash kernel (CUDA, bf16) outside batch-invariant mode (bench/RESULTS.md, "Shared prompts")."""
     if cfg.training.share_prompts != "auto":
         return cfg.training.share_prompts == "on"
-    return (device.type == "cuda" and dtype != torch.float32 and cfg.model.train_attention == "flash"
-            and not cfg.job.bitwise_logprobs)
+    return fast_kernels_serve(device, dtype) and cfg.model.train_attention == "flash" and not cfg.job.bitwise_logprobs
 
 
 def builtin_model_args(cfg: Config, vocab_size: int) -> ModelArgs:
