@@ -12,6 +12,7 @@ safetensors, the generators read them back and copy them into the engine. Prints
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -48,6 +49,48 @@ def timed(fn, device: torch.device, group=None) -> float:
     return time.perf_counter() - start
 
 
+def start_process_group() -> torch.device:
+    """This rank's device, with the process group up (NCCL for CUDA tensors, gloo for the host's)."""
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if not torch.cuda.is_available():
+        dist.init_process_group("gloo")
+        return torch.device("cpu")
+    device = torch.device("cuda", local_rank)
+    torch.cuda.set_device(device)
+    dist.init_process_group("cuda:nccl,cpu:gloo", device_id=device)
+    return device
+
+
+def through_file(roles, params, engine, folder: Path, dtype: torch.dtype, device: torch.device) -> None:
+    """The baseline: the trainers gather full bf16 tensors (a collective), the first writes them as
+    safetensors, the generators read them back and copy them into the engine."""
+    if roles.is_trainer:
+        full = {n: p.full_tensor().to(dtype) for n, p in params.items()}
+        if roles.rank == roles.leader:
+            folder.mkdir(exist_ok=True)
+            save_file({n: t.contiguous() for n, t in full.items()}, str(folder / "model.safetensors"))
+        del full
+    dist.barrier(device_ids=[device.index] if device.type == "cuda" else None)
+    if roles.is_generator:
+        loaded = load_file(str(folder / "model.safetensors"), device=str(device))
+        engine.update_weights([((n, (), t) for n, t in loaded.items())], version=2)
+
+
+def engine_holds_masters(roles, engine, args: ModelArgs, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether every engine holds the trainer's fp32 masters cast to `dtype`, bit for bit: the
+    generators rebuild the same seeded init and compare (a collective)."""
+    exact = torch.ones(1)
+    if roles.is_generator:
+        torch.manual_seed(0)
+        reference = Transformer(args, dtype=torch.float32, device=device)
+        reference.init_weights()
+        engine_params = dict(engine.model.named_parameters())
+        exact[0] = float(all(torch.equal(engine_params[n], p.to(dtype)) for n, p in reference.named_parameters()))
+        del reference
+    dist.all_reduce(exact, op=dist.ReduceOp.MIN)
+    return bool(exact[0])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--generators", type=int, default=1)
@@ -56,14 +99,7 @@ def main() -> None:
     parser.add_argument("--file-reps", type=int, default=3)
     parser.add_argument("--layers", type=int, default=QWEN3_0_6B.n_layers)
     opts = parser.parse_args()
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-        dist.init_process_group("cuda:nccl,cpu:gloo", device_id=device)
-    else:
-        dist.init_process_group("gloo")
+    device = start_process_group()
     roles = build_roles("split", opts.generators, device)
     args = ModelArgs(**{**QWEN3_0_6B.__dict__, "n_layers": opts.layers})
     dtype = torch.bfloat16
@@ -71,7 +107,7 @@ def main() -> None:
         shapes = {name: tuple(p.shape) for name, p in Transformer(args).named_parameters()}
     sync = WeightSync(shapes, roles.trainer_ranks, roles.weight_groups, dtype, device, opts.bucket_mb * 2**20)
 
-    trainer_model = engine = None
+    params = engine = None
     if roles.is_trainer:
         torch.manual_seed(0)
         trainer_model = Transformer(args, dtype=torch.float32, device=device)
@@ -87,39 +123,16 @@ def main() -> None:
         else:
             sync.receive(engine, version=1)
 
-    folder = Path(tempfile.gettempdir()) / f"tandem-bench-{os.environ.get('MASTER_PORT', '0')}"
-
-    def through_file() -> None:
-        # Trainers gather full bf16 tensors (collective), the first writes; generators read and copy.
-        if roles.is_trainer:
-            full = {n: p.full_tensor().to(dtype) for n, p in params.items()}
-            if roles.rank == roles.leader:
-                folder.mkdir(exist_ok=True)
-                save_file({n: t.contiguous() for n, t in full.items()}, str(folder / "model.safetensors"))
-            del full
-        dist.barrier(device_ids=[device.index] if cuda else None)
-        if roles.is_generator:
-            loaded = load_file(str(folder / "model.safetensors"), device=str(device))
-            engine.update_weights([((n, (), t) for n, t in loaded.items())], version=2)
-
     for _ in range(2):
         timed(in_memory, device)
     memory_s = sorted(timed(in_memory, device) for _ in range(opts.reps))
+    exact = engine_holds_masters(roles, engine, args, dtype, device)
 
-    # The engine must now hold the trainer's fp32 masters cast to bf16, bit for bit: rebuild the
-    # same seeded init on the generator and compare.
-    exact = torch.ones(1)
-    if roles.is_generator:
-        torch.manual_seed(0)
-        reference = Transformer(args, dtype=torch.float32, device=device)
-        reference.init_weights()
-        engine_params = dict(engine.model.named_parameters())
-        exact[0] = float(all(torch.equal(engine_params[n], p.to(dtype)) for n, p in reference.named_parameters()))
-        del reference
-    dist.all_reduce(exact, op=dist.ReduceOp.MIN)
-
-    timed(through_file, device)
-    file_s = sorted(timed(through_file, device) for _ in range(opts.file_reps))
+    folder = Path(tempfile.gettempdir()) / f"tandem-bench-{os.environ.get('MASTER_PORT', '0')}"
+    file_sync = functools.partial(through_file, roles, params, engine, folder, dtype, device)
+    timed(file_sync, device)
+    file_s = sorted(timed(file_sync, device) for _ in range(opts.file_reps))
+    memory_median, file_median = memory_s[len(memory_s) // 2], file_s[len(file_s) // 2]
     result = {
         "bench": "weight_sync",
         "params": sum(math.prod(s) for s in shapes.values()),
@@ -127,13 +140,13 @@ def main() -> None:
         "generators": len(roles.generator_ranks),
         "trainers": len(roles.trainer_ranks),
         "bucket_mb": opts.bucket_mb,
-        "in_memory_bitwise_exact": bool(exact[0]),
-        "in_memory_s_median": memory_s[len(memory_s) // 2],
+        "in_memory_bitwise_exact": exact,
+        "in_memory_s_median": memory_median,
         "in_memory_s_min": memory_s[0],
-        "in_memory_GBps": sync.total_bytes / memory_s[len(memory_s) // 2] / 1e9,
-        "file_s_median": file_s[len(file_s) // 2],
-        "speedup_vs_file": file_s[len(file_s) // 2] / memory_s[len(memory_s) // 2],
-        "device": torch.cuda.get_device_name(device) if cuda else "cpu",
+        "in_memory_GBps": sync.total_bytes / memory_median / 1e9,
+        "file_s_median": file_median,
+        "speedup_vs_file": file_median / memory_median,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
     }
     if roles.rank == 0:
