@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.generate import commit  # noqa: E402
+from bench.provenance import commit  # noqa: E402
 from grpo.config import GRPOConfig, OptimizerConfig  # noqa: E402
 from grpo.engine import GenerationRequest, NativeEngine, SamplingParams  # noqa: E402
 from grpo.rollout.generate import episodes_from_completions  # noqa: E402

@@ -28,12 +28,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.provenance import commit  # noqa: E402
 from bench.rl_step import (  # noqa: E402
     MEASURED_RUN,
     QWEN3_0_6B,
     build_checkpoint,
     build_prompts,
-    git_commit,
     workload_args,
 )
 
@@ -87,7 +87,7 @@ def main() -> None:
     opts.workdir.mkdir(parents=True, exist_ok=True)
     import torch
 
-    base = dict(commit=git_commit(), torch=torch.__version__,
+    base = dict(commit=commit(), torch=torch.__version__,
                 device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
     for name in opts.models.split(","):
         rows = {mode: run(name, mode, opts, extra) for mode in ("default", "bitwise")}

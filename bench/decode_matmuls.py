@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.generate import commit  # noqa: E402
+from bench.provenance import commit  # noqa: E402
 from bench.vllm_engines import SHAPES, VOCAB  # noqa: E402
 
 

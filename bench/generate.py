@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -45,6 +44,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.provenance import commit  # noqa: E402
 from grpo.engine import GenerationRequest, NativeEngine, SamplingParams  # noqa: E402
 from model import ModelArgs  # noqa: E402
 from train_grpo import one_host_thread  # noqa: E402
@@ -61,13 +61,6 @@ PROMPT, NEW = 128, 256
 
 def model_args(shape: str, vocab: int) -> ModelArgs:
     return ModelArgs(arch="qwen3", vocab_size=vocab, rope_theta=1e6, **SHAPES[shape])
-
-
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        return "unknown"
 
 
 def sync(device: torch.device) -> None:

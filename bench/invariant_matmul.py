@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.rl_step import git_commit  # noqa: E402
+from bench.provenance import commit  # noqa: E402
 from model import invariant_kernels as kernels  # noqa: E402
 
 # (name, N, K) per model: fused q/k/v, attention output, fused SwiGLU gate/up, SwiGLU down, head.
@@ -67,7 +67,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--reps", type=int, default=50)
     opts = parser.parse_args()
-    base = dict(bench="invariant_matmul", commit=git_commit(), device=torch.cuda.get_device_name(),
+    base = dict(bench="invariant_matmul", commit=commit(), device=torch.cuda.get_device_name(),
                 torch=torch.__version__)
     torch.manual_seed(0)
     for model, shapes in SHAPES.items():

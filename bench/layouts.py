@@ -36,6 +36,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.provenance import commit  # noqa: E402
 from bench.rl_step import (  # noqa: E402
     MEASURED_RUN,
     QWEN3_0_6B,
@@ -43,7 +44,6 @@ from bench.rl_step import (  # noqa: E402
     TINY,
     build_checkpoint,
     build_prompts,
-    git_commit,
     workload_args,
 )
 
@@ -138,7 +138,7 @@ def main() -> None:
     opts.workdir.mkdir(parents=True, exist_ok=True)
     import torch
 
-    base = dict(model=opts.model, commit=git_commit(), torch=torch.__version__,
+    base = dict(model=opts.model, commit=commit(), torch=torch.__version__,
                 device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", extra_args=extra)
     base_args = workload(opts.model, opts)
     rows = []

@@ -40,7 +40,7 @@ sys.path.insert(0, str(REPO))
 import model.attention as attention  # noqa: E402
 import model.logprob_head as head  # noqa: E402
 import model.model as native  # noqa: E402
-from bench.generate import commit  # noqa: E402
+from bench.provenance import commit  # noqa: E402
 from fixtures.hf import FIXTURE  # noqa: E402
 from grpo.config import GRPOConfig, OptimizerConfig  # noqa: E402
 from grpo.data.tokenizer import load_hf_tokenizer  # noqa: E402

@@ -27,7 +27,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.generate import commit, model_args, sync  # noqa: E402
+from bench.generate import model_args, sync  # noqa: E402
+from bench.provenance import commit  # noqa: E402
 from grpo.data.prompt import Prompt  # noqa: E402
 from grpo.engine import NativeEngine, SamplingParams  # noqa: E402
 from grpo.envs.base import EnvReply  # noqa: E402

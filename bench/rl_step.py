@@ -32,6 +32,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.provenance import commit  # noqa: E402
 from fixtures.hf import FIXTURE, SYSTEM, build_tokenizer  # noqa: E402
 
 QWEN3_0_6B = {"layers": 28, "dim": 1024, "heads": 16, "kv_heads": 8, "head_dim": 128, "ffn": 3072, "tied": 1}
@@ -121,11 +122,6 @@ def override(extra: list[str], key: str, default: int | str) -> int | str:
     return value
 
 
-def git_commit() -> str:
-    result = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
-    return result.stdout.strip() or "unknown"
-
-
 def main() -> None:
     argv = sys.argv[1:]
     extra = argv[argv.index("--") + 1 :] if "--" in argv else []
@@ -194,7 +190,7 @@ def main() -> None:
         "max_new_tokens": override(extra, "generation.max_new_tokens", 256),
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "torch": torch.__version__,
-        "commit": git_commit(),
+        "commit": commit(),
         "extra_args": extra,
     }
     print(json.dumps(summary))

@@ -28,7 +28,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.generate import PROMPT, VOCAB, commit, model_args, output_tokens, prompts, time_engine  # noqa: E402
+from bench.generate import PROMPT, VOCAB, model_args, output_tokens, prompts, time_engine  # noqa: E402
+from bench.provenance import commit  # noqa: E402
 from fixtures.shards import tp_shard  # noqa: E402
 from grpo.engine import GenerationRequest, NativeEngine, SamplingParams  # noqa: E402
 from model import Transformer  # noqa: E402

@@ -44,7 +44,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.generate import SHAPES, VOCAB, commit, model_args  # noqa: E402
+from bench.generate import SHAPES, VOCAB, model_args  # noqa: E402
+from bench.provenance import commit  # noqa: E402
 from grpo.config import GRPOConfig, OptimizerConfig  # noqa: E402
 from grpo.observe.profile import write_report  # noqa: E402
 from grpo.rollout.episode import EpisodeBatch  # noqa: E402

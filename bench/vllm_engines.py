@@ -41,7 +41,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.generate import NEW, PROMPT, VOCAB, commit, output_tokens, prompts, roofline, time_engine  # noqa: E402
+from bench.generate import NEW, PROMPT, VOCAB, output_tokens, prompts, roofline, time_engine  # noqa: E402
+from bench.provenance import commit  # noqa: E402
 from grpo.engine import GenerationRequest, NativeEngine, SamplingParams  # noqa: E402
 from grpo.engine.cache import slot_bytes  # noqa: E402
 from model import ModelArgs, Transformer  # noqa: E402
