@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -144,14 +145,24 @@ def test_a_second_ctrl_c_stops_at_once_in_one_line(tmp_path):
             "--model.ffn_dim=1024", "--data.prompts_per_step=64", "--rewards.num_workers=0", f"--job.output_dir={tmp_path}"]
     proc = subprocess.Popen(command(args, None), cwd=REPO, env=launch_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
+    # Kills a run that never acknowledges the first Ctrl-C, so that reading its stderr cannot hang.
+    watchdog = threading.Timer(180, proc.kill)
+    watchdog.start()
     deadline = time.monotonic() + 120
     while not (tmp_path / "metrics.jsonl").exists() and time.monotonic() < deadline:
         time.sleep(0.2)
-    time.sleep(1.0)  # inside a step (of about two seconds)
     proc.send_signal(signal.SIGINT)
-    time.sleep(0.5)
-    proc.send_signal(signal.SIGINT)
+    # The second Ctrl-C as soon as the first is acknowledged: a fixed pause can outlast the rest
+    # of a short step on a fast machine, and the run then stops after its checkpoint (exit 0).
+    acknowledged = []
+    for line in proc.stderr:
+        acknowledged.append(line)
+        if "stopping when this step ends" in line:
+            proc.send_signal(signal.SIGINT)
+            break
     out, err = proc.communicate(timeout=60)
+    watchdog.cancel()
+    err = "".join(acknowledged) + err
     assert proc.returncode == 130, (out[-1500:], err[-3000:])
     assert "stopped at once by a second Ctrl-C" in err
     assert "Traceback" not in out + err, err[-3000:]

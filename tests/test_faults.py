@@ -7,10 +7,12 @@ import signal
 import subprocess
 import sys
 
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 
+from grpo.distributed.faults import GracefulStop
 from tests.test_e2e import REPO, SHORT, launch, launch_env, metrics
 from tests.test_resume import start, wait_for_step
 
@@ -91,3 +93,22 @@ def test_ctrl_c_in_a_single_process_run_saves_and_exits_0(tmp_path):
     assert (tmp_path / "checkpoints" / f"step_{step}" / "run_state.json").is_file()
     assert stopped.endswith("; run the same command to resume")
     assert "SIGINT: stopping when this step ends, after a checkpoint (Ctrl-C again stops at once)" in err
+
+
+def test_a_second_ctrl_c_inside_the_first_ones_message_stops_at_once(monkeypatch):
+    """Python may run a signal's handler again inside the handler of the one before (here: while
+    its message is printed); the second Ctrl-C must still find the first and stop at once."""
+    stop = GracefulStop()
+    printed = []
+
+    def print_then_second_ctrl_c(*args, **kwargs):
+        printed.append(args[0])
+        if len(printed) == 1:
+            stop._handle(signal.SIGINT, None)
+
+    monkeypatch.setattr("builtins.print", print_then_second_ctrl_c)
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(KeyboardInterrupt):
+        stop._handle(signal.SIGINT, None)
+    assert stop.forced and stop.signal_number == signal.SIGINT
+    assert len(printed) == 1 and "stopping when this step ends" in printed[0]

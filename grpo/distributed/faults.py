@@ -72,11 +72,13 @@ class GracefulStop:
             # Libraries may wrap the KeyboardInterrupt (DCP does): `forced` tells the caller why it stopped.
             self.forced = True
             raise KeyboardInterrupt
-        if not self.signal_number and os.environ.get("RANK", "0") == "0":
+        first, self.signal_number = not self.signal_number, number
+        # Recorded before the print: a second signal can run this handler again inside the print,
+        # and must find the first one there.
+        if first and os.environ.get("RANK", "0") == "0":
             # A step can run for minutes: without a word the wait looks like a hang.
             print(f"{self.name(number)}: stopping when this step ends, after a checkpoint (Ctrl-C again stops at once)",
                   file=sys.stderr, flush=True)
-        self.signal_number = number
 
     @staticmethod
     def name(number: int) -> str:
