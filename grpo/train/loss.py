@@ -223,14 +223,7 @@ def policy_loss(
     # Known to the caller, it spares reading seq_ids back from the device.
     num_seqs = max(int(seq_ids.max()) + 1 if num_seqs is None else num_seqs, 1)
     seq_tokens = _sequence_sum(valid.to(dtype), seq_ids, num_seqs)
-    if s.loss_type == "gspo":
-        seq_log_ratio = _sequence_sum(log_ratio, seq_ids, num_seqs) / seq_tokens.clamp(min=1)
-        surrogate = _surrogate(
-            _per_token(seq_log_ratio, seq_ids), advantages, s.gspo_clip_eps_low, s.gspo_clip_eps_high, s.clip_ratio_c
-        )
-    else:
-        surrogate = _surrogate(log_ratio, advantages, s.clip_eps_low, s.clip_eps_high, s.clip_ratio_c)
-
+    surrogate = _policy_surrogate(log_ratio, advantages, seq_ids, seq_tokens, num_seqs, s)
     weight, over_cap = _tis_weight(old_logprobs, gen_logprobs, valid, seq_ids, num_seqs, s)
     per_token = weight * surrogate.loss
 
@@ -248,10 +241,33 @@ def policy_loss(
     loss = torch.where(valid, per_token * scale, 0.0).sum()
     per_token_stats = {"tokens": torch.ones_like(log_ratio), "clipped": surrogate.clipped, "ratio_sum": surrogate.ratio,
                        "kl_sum": kl, "entropy_sum": entropy, "tis_clipped": over_cap, "tis_weight_sum": weight}
-    stats = {name: _masked_sum(values, valid, dtype) for name, values in per_token_stats.items()}
-    stats["ratio_max"] = torch.where(valid, surrogate.ratio, 0.0).max()
+    return LossTerms(loss=loss, stats=_loss_stats(per_token_stats, surrogate.ratio, valid, seq_tokens))
+
+
+def _policy_surrogate(
+    log_ratio: torch.Tensor, advantages: torch.Tensor, seq_ids: torch.Tensor, seq_tokens: torch.Tensor, num_seqs: int,
+    s: LossSettings,
+) -> SurrogateTerms:
+    """The clipped surrogate [B, T] of `s.loss_type`: per token, or (gspo) on each sequence's mean
+    log-ratio repeated on its tokens. seq_tokens [num_seqs] counts each sequence's loss tokens."""
+    if s.loss_type == "gspo":
+        seq_log_ratio = _sequence_sum(log_ratio, seq_ids, num_seqs) / seq_tokens.clamp(min=1)
+        return _surrogate(
+            _per_token(seq_log_ratio, seq_ids), advantages, s.gspo_clip_eps_low, s.gspo_clip_eps_high, s.clip_ratio_c
+        )
+    return _surrogate(log_ratio, advantages, s.clip_eps_low, s.clip_eps_high, s.clip_ratio_c)
+
+
+def _loss_stats(
+    per_token: dict[str, torch.Tensor | None], ratio: torch.Tensor, valid: torch.Tensor, seq_tokens: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """`LossTerms.stats`: each per-token value [B, T] summed over the loss tokens, the largest ratio
+    and the number of sequences with a loss token."""
+    dtype = seq_tokens.dtype
+    stats = {name: _masked_sum(values, valid, dtype) for name, values in per_token.items()}
+    stats["ratio_max"] = torch.where(valid, ratio, 0.0).max()
     stats["sequences"] = (seq_tokens > 0).sum().to(dtype)
-    return LossTerms(loss=loss, stats=stats)
+    return stats
 
 
 def _masked_sum(values: torch.Tensor | None, valid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
