@@ -77,10 +77,9 @@ def run_loop(cfg: Config, run: Run, resume: Path | None = None, stop: GracefulSt
                 metrics["time/gc_s"] = boundary["gc_s"]
             bad_steps = bad_steps + 1 if boundary["skipped"] else 0
             logger.log(step, metrics)
-            if step == cfg.metrics.profile_step and is_leader:
-                logger.say(f"step {step} profiled, phase by phase: {profiler.folder}")
-            if boundary["skipped"] and is_leader:
-                logger.say(f"step {step}: update skipped: {run.trainer.last_skip_reason}", file=sys.stderr)
+            if is_leader:
+                _say_step_notes(logger, run, step, profiler, profiled=step == cfg.metrics.profile_step,
+                                skipped=bool(boundary["skipped"]))
             if last_step or _every(cfg.checkpoint.export_hf_every, step):
                 run.export_hf(Path(cfg.job.output_dir) / "hf" / f"step_{step}")
             diverged = bad_steps >= cfg.training.max_bad_steps
@@ -92,13 +91,21 @@ def run_loop(cfg: Config, run: Run, resume: Path | None = None, stop: GracefulSt
                 raise _diverged(cfg, bad_steps, step, saved)
             if signal_number:
                 if is_leader:
-                    logger.say(
-                        f"stopped by {GracefulStop.name(signal_number)} after step {step}: checkpoint {saved}; "
-                        "run the same command to resume"
-                    )
+                    logger.say(f"stopped by {GracefulStop.name(signal_number)} after step {step}: checkpoint {saved}; "
+                               "run the same command to resume")
                 return
     if is_leader and evals:
         _announce_done(cfg, run, logger.path, evals, time.perf_counter() - start, earlier_s, start_step)
+
+
+def _say_step_notes(
+    logger: MetricsLogger, run: Run, step: int, profiler: StepProfiler, profiled: bool, skipped: bool
+) -> None:
+    """The leader's lines after a step's metrics: where its profile went, why its update was skipped."""
+    if profiled:
+        logger.say(f"step {step} profiled, phase by phase: {profiler.folder}")
+    if skipped:
+        logger.say(f"step {step}: update skipped: {run.trainer.last_skip_reason}", file=sys.stderr)
 
 
 def _first_sync(cfg: Config, run: Run, logger: MetricsLogger, start_step: int, resume: Path | None) -> dict | None:
