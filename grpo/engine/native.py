@@ -113,23 +113,9 @@ class NativeEngine:
             args = self.args = tensor_parallel_args(args, tensor_parallel[0])
         check_decode_kernel(args.n_heads, args.n_kv_heads, args.head_dim, self.device, dtype)
         self.use_graphs, self.use_compile = cuda_graphs and on_cuda, compile and on_cuda
-        with torch.device("meta"):
-            self.model = Transformer(args, dtype=dtype)
-        self.model.to_empty(device=self.device)
-        if tensor_parallel is not None:
-            apply_tensor_parallel(self.model, tensor_parallel[1])
-        self.model.keep_rope_on(self.device)
-        self.model.fuse_projections()
-        self.model.eval().requires_grad_(False)
-        self._params = dict(self.model.named_parameters())
+        self._build_model(tensor_parallel[1] if tensor_parallel is not None else None)
         self.adapters = AdapterMerge(self._params, lora, args.n_layers) if lora is not None else None
         self._token_hash = vocab_hash(args.vocab_size, self.device)
-        self._sample = sample
-        if self.use_compile:
-            # Each block's two halves (model/parallelize.py) and the sampler: one graph each, reused
-            # by every layer and every batch size.
-            compile_blocks(self.model)
-            self._sample = torch.compile(sample, dynamic=True)
         self.cache: SlotCache | None = None
         self.decoder: DecodeStep | None = None
         self.kept = KeptKV()
@@ -142,6 +128,25 @@ class NativeEngine:
         self.peak_active = 0
         self._in_flight = 0
         self._queue: list[tuple[GenerationRequest, SamplingParams]] = []
+
+    def _build_model(self, tp_group: dist.ProcessGroup | None) -> None:
+        """The engine's model (this rank's shard under tensor parallelism), uninitialised until the
+        first weight update, with fused projections, and the sampler; compiled on CUDA."""
+        with torch.device("meta"):
+            self.model = Transformer(self.args, dtype=self.dtype)
+        self.model.to_empty(device=self.device)
+        if tp_group is not None:
+            apply_tensor_parallel(self.model, tp_group)
+        self.model.keep_rope_on(self.device)
+        self.model.fuse_projections()
+        self.model.eval().requires_grad_(False)
+        self._params = dict(self.model.named_parameters())
+        self._sample = sample
+        if self.use_compile:
+            # Each block's two halves (model/parallelize.py) and the sampler: one graph each, reused
+            # by every layer and every batch size.
+            compile_blocks(self.model)
+            self._sample = torch.compile(sample, dynamic=True)
 
     def release_cache(self) -> None:
         """Free the KV cache's K/V memory, so that a colocated trainer can use it. The next poll
