@@ -126,6 +126,26 @@ def _box(index: tuple[slice, ...], shape: Sequence[int]) -> list[list[int]]:
     return box + [[0, n] for n in shape[len(index) :]]
 
 
+def _write_model_config(folder: str, args: ModelArgs, dtype: torch.dtype, architecture: str) -> dict:
+    """The HF config.json vLLM loads our model from, written to folder: the model's own config with
+    the architecture vLLM builds (our wrapper, which reads back the original name) and the dtype."""
+    config = args.to_hf_config()
+    config.update(tandem_architecture=config["architectures"][0], architectures=[architecture],
+                  torch_dtype=str(dtype).removeprefix("torch."))
+    with open(os.path.join(folder, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(config, f)
+    return config
+
+
+def _parameter_shapes(args: ModelArgs, lora: LoRASpec | None) -> dict[str, tuple[int, ...]]:
+    """Every parameter's name and shape that a weight sync sends: the model's, and the adapters'."""
+    with torch.device("meta"):
+        shapes = {n: tuple(p.shape) for n, p in Transformer(args).named_parameters()}
+    if lora is not None:
+        shapes.update(adapter_shapes(shapes, lora, args.n_layers))
+    return shapes
+
+
 class VLLMEngine:
     """vLLM generating with our model; see the module docstring for where it runs and what matches.
 
@@ -177,16 +197,9 @@ class VLLMEngine:
         self.request_seeds = request_seeds
         self.version = -1
         self._folder = tempfile.mkdtemp(prefix="tandem-vllm-")
-        config = args.to_hf_config()
-        config.update(tandem_architecture=config["architectures"][0], architectures=[ARCHITECTURE],
-                      torch_dtype=str(dtype).removeprefix("torch."))
-        with open(os.path.join(self._folder, "config.json"), "w", encoding="utf-8") as f:
-            json.dump(config, f)
-        with torch.device("meta"):
-            self._shapes = {n: tuple(p.shape) for n, p in Transformer(args).named_parameters()}
+        config = _write_model_config(self._folder, args, dtype, ARCHITECTURE)
         self.lora = lora
-        if lora is not None:
-            self._shapes.update(adapter_shapes(self._shapes, lora, args.n_layers))
+        self._shapes = _parameter_shapes(args, lora)
         self._staging = self._staging_buffer(staging_mb)
         kv_bytes = kv_budget_bytes(slot_bytes(args, max_seq_len, dtype), max_batch_size, self.device, kv_cache_gb,
                                    kv_cache_fraction)
