@@ -233,7 +233,7 @@ def emit(record: dict) -> None:
     print(json.dumps(record), flush=True)
 
 
-def main() -> None:
+def parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shapes", default="0.6b")
     parser.add_argument("--batches", default="64,256")
@@ -246,7 +246,78 @@ def main() -> None:
     parser.add_argument("--sync-every", type=int, default=8, help="the engine's generation.sync_every")
     parser.add_argument("--profile", action="store_true", help="print one decode step's kernels (prefill taken out)")
     parser.add_argument("--gaps", action="store_true", help="print where one call leaves the device idle")
-    opts = parser.parse_args()
+    return parser.parse_args()
+
+
+def peak_gb(device: torch.device) -> float | None:
+    return torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
+
+
+def reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def time_ours(opts: argparse.Namespace, args: ModelArgs, batch: int, vocab: int, device: torch.device,
+              base: dict) -> tuple[float, float]:
+    """Our engine on `batch` prompts (and, with --groups, on batch/groups prompts x groups samples):
+    emits its line; returns its tok/s and the roofline's."""
+    reqs = [GenerationRequest(p, 0, i, 0) for i, p in enumerate(prompts(batch, vocab))]
+    reset_peak(device)
+    engine = build_engine(args, device, batch, PROMPT + NEW, sync_every=opts.sync_every)
+    if opts.profile:
+        profile(engine, reqs, device)
+    if opts.gaps:
+        idle_gaps(engine, reqs, device)
+    seconds, out = time_engine(engine, reqs, device, opts.reps)
+    ours = output_tokens(out) / seconds
+    roof = roofline(args, batch, PROMPT + NEW / 2, opts.bandwidth)
+    record = dict(base, bench="generate", batch=batch, engine="tandem", tok_s=round(ours), roofline_tok_s=round(roof),
+                  roofline_fraction=round(ours / roof, 3), peak_gb=peak_gb(device))
+    if opts.groups > 1 and batch % opts.groups == 0:
+        grouped = [GenerationRequest(p, 0, i, s) for i, p in enumerate(prompts(batch // opts.groups, vocab))
+                   for s in range(opts.groups)]
+        g_seconds, g_out = time_engine(engine, grouped, device, opts.reps)
+        record[f"tok_s_{batch // opts.groups}x{opts.groups}_shared_prefill"] = round(output_tokens(g_out) / g_seconds)
+    emit(record)
+    return ours, roof
+
+
+def time_baseline(name: str, opts: argparse.Namespace, args: ModelArgs, batch: int, vocab: int, device: torch.device,
+                  base: dict, ours: float, roof: float) -> None:
+    """HF `generate` (`name`: hf, or hf_static with a static cache and compile) on the same prompts."""
+    model = hf_model(args, device, static=name == "hf_static")
+    reset_peak(device)
+    hf_seconds = time_hf(model, prompts(batch, vocab), device, name == "hf_static", max(1, opts.reps - 1))
+    hf = batch * NEW / hf_seconds
+    emit(dict(base, bench="generate", batch=batch, engine=name, tok_s=round(hf), roofline_fraction=round(hf / roof, 3),
+              tandem_over_this=round(ours / hf, 2), peak_gb=peak_gb(device)))
+    del model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def time_long_tail(opts: argparse.Namespace, args: ModelArgs, vocab: int, device: torch.device, base: dict) -> None:
+    """Long-tailed completion budgets against equal ones of the same mean, on one engine."""
+    budgets = long_tail_budgets(64 if opts.quick else 2048)
+    mean_budget = round(sum(budgets) / len(budgets))
+    batch = 16 if opts.quick else 256
+    engine = build_engine(args, device, batch, PROMPT + max(budgets), sync_every=opts.sync_every)
+    runs = {}
+    for name, per_request in (("long_tail", budgets), ("equal_length", [mean_budget] * len(budgets))):
+        plist = prompts(len(per_request), vocab, seed=1)
+        reqs = [GenerationRequest(p, 0, i, 0, max_new_tokens=n) for i, (p, n) in enumerate(zip(plist, per_request))]
+        seconds, out = time_engine(engine, reqs, device, opts.reps)
+        runs[name] = output_tokens(out) / seconds
+    emit(dict(base, bench="generate_long_tail", requests=len(budgets), max_batch=batch,
+              budget_min=min(budgets), budget_median=sorted(budgets)[len(budgets) // 2],
+              budget_mean=mean_budget, budget_max=max(budgets),
+              long_tail_tok_s=round(runs["long_tail"]), equal_length_tok_s=round(runs["equal_length"]),
+              ratio=round(runs["long_tail"] / runs["equal_length"], 3)))
+
+
+def main() -> None:
+    opts = parse()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":
         # As a generator rank does (and for the HF baselines alike): one host thread ran the engine
@@ -254,62 +325,16 @@ def main() -> None:
         one_host_thread()
     vocab = 512 if opts.quick else VOCAB
     shapes = ["tiny"] if opts.quick else opts.shapes.split(",")
-    batches = [int(b) for b in opts.batches.split(",")]
-    baselines = [b for b in opts.baselines.split(",") if b]
     base = dict(device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                 torch=torch.__version__, commit=commit(), prompt=PROMPT, new_tokens=NEW)
     for shape in shapes:
         args = model_args(shape, vocab)
-        for batch in batches:
-            reqs = [GenerationRequest(p, 0, i, 0) for i, p in enumerate(prompts(batch, vocab))]
-            torch.cuda.reset_peak_memory_stats(device) if device.type == "cuda" else None
-            engine = build_engine(args, device, batch, PROMPT + NEW, sync_every=opts.sync_every)
-            if opts.profile:
-                profile(engine, reqs, device)
-            if opts.gaps:
-                idle_gaps(engine, reqs, device)
-            seconds, out = time_engine(engine, reqs, device, opts.reps)
-            ours = output_tokens(out) / seconds
-            peak = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
-            roof = roofline(args, batch, PROMPT + NEW / 2, opts.bandwidth)
-            record = dict(base, bench="generate", shape=shape, batch=batch, engine="tandem", tok_s=round(ours),
-                          roofline_tok_s=round(roof), roofline_fraction=round(ours / roof, 3), peak_gb=peak)
-            if opts.groups > 1 and batch % opts.groups == 0:
-                grouped = [GenerationRequest(p, 0, i, s) for i, p in enumerate(prompts(batch // opts.groups, vocab))
-                           for s in range(opts.groups)]
-                g_seconds, g_out = time_engine(engine, grouped, device, opts.reps)
-                record[f"tok_s_{batch // opts.groups}x{opts.groups}_shared_prefill"] = round(output_tokens(g_out) / g_seconds)
-            emit(record)
-            del engine
-            for name in baselines:
-                model = hf_model(args, device, static=name == "hf_static")
-                torch.cuda.reset_peak_memory_stats(device) if device.type == "cuda" else None
-                hf_seconds = time_hf(model, [r.prompt_tokens for r in reqs], device, name == "hf_static", max(1, opts.reps - 1))
-                hf = batch * NEW / hf_seconds
-                emit(dict(base, bench="generate", shape=shape, batch=batch, engine=name, tok_s=round(hf),
-                          roofline_fraction=round(hf / roof, 3), tandem_over_this=round(ours / hf, 2),
-                          peak_gb=torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None))
-                del model
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
+        for batch in [int(b) for b in opts.batches.split(",")]:
+            ours, roof = time_ours(opts, args, batch, vocab, device, dict(base, shape=shape))
+            for name in [b for b in opts.baselines.split(",") if b]:
+                time_baseline(name, opts, args, batch, vocab, device, dict(base, shape=shape), ours, roof)
         if opts.long_tail:
-            budgets = long_tail_budgets(64 if opts.quick else 2048)
-            mean_budget = round(sum(budgets) / len(budgets))
-            batch = 16 if opts.quick else 256
-            engine = build_engine(args, device, batch, PROMPT + max(budgets), sync_every=opts.sync_every)
-            runs = {}
-            for name, per_request in (("long_tail", budgets), ("equal_length", [mean_budget] * len(budgets))):
-                plist = prompts(len(per_request), vocab, seed=1)
-                reqs = [GenerationRequest(p, 0, i, 0, max_new_tokens=n) for i, (p, n) in enumerate(zip(plist, per_request))]
-                seconds, out = time_engine(engine, reqs, device, opts.reps)
-                runs[name] = output_tokens(out) / seconds
-            emit(dict(base, bench="generate_long_tail", shape=shape, requests=len(budgets), max_batch=batch,
-                      budget_min=min(budgets), budget_median=sorted(budgets)[len(budgets) // 2],
-                      budget_mean=mean_budget, budget_max=max(budgets),
-                      long_tail_tok_s=round(runs["long_tail"]), equal_length_tok_s=round(runs["equal_length"]),
-                      ratio=round(runs["long_tail"] / runs["equal_length"], 3)))
-            del engine
-
+            time_long_tail(opts, args, vocab, device, dict(base, shape=shape))
 
 if __name__ == "__main__":
     main()

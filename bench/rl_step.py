@@ -122,9 +122,7 @@ def override(extra: list[str], key: str, default: int | str) -> int | str:
     return value
 
 
-def main() -> None:
-    argv = sys.argv[1:]
-    extra = argv[argv.index("--") + 1 :] if "--" in argv else []
+def parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/tandem-rl-step"))
     parser.add_argument("--steps", type=int, default=6)
@@ -133,10 +131,11 @@ def main() -> None:
     parser.add_argument("--eval-prompts", type=int, default=16, help="held-out prompts (evaluated outside the step)")
     parser.add_argument("--body", choices=sorted(BODIES), default="0.6b", help="the model body (random weights)")
     parser.add_argument("--tiny", action="store_true", help="2-layer, dim-64 body for a CPU smoke test")
-    opts = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
+    return parser.parse_args(argv)
 
-    body = dict(TINY if opts.tiny else BODIES[opts.body])
-    body["layers"] = opts.layers or body["layers"]
+
+def run_workload(opts: argparse.Namespace, extra: list[str], body: dict) -> Path:
+    """train_grpo.py on the workload, one colocated rank, `extra` forwarded; returns its folder."""
     opts.workdir.mkdir(parents=True, exist_ok=True)
     # One folder per body, so a --tiny run never leaves a checkpoint the full run would reuse.
     ckpt = build_checkpoint(opts.workdir / f"qwen3-{body['layers']}L-{body['dim']}d", body)
@@ -163,7 +162,11 @@ def main() -> None:
     result = subprocess.run([*command, *args, *extra], cwd=REPO, stdout=sys.stderr)
     if result.returncode != 0:
         raise SystemExit(f"train_grpo.py exited with {result.returncode}")
+    return run_dir
 
+
+def summarise(run_dir: Path, opts: argparse.Namespace, extra: list[str], body: dict) -> dict:
+    """Prints each step's line from the run's metrics; returns the medians' line."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     step_rows = [r for r in rows if "time/step_s" in r]
     first = next((r for r in rows if r["step"] == 0), {})
@@ -175,7 +178,7 @@ def main() -> None:
     # training: they are the run's drain, not its steady state, so the medians leave them out.
     drain = override(extra, "training.max_staleness", 1) if override(extra, "training.schedule", "sync") == "async" else 0
     timed = step_rows[opts.skip : len(step_rows) - drain] or step_rows
-    summary = {
+    return {
         "bench": "rl_step",
         "steps": len(step_rows),
         "median_over_steps": [r["step"] for r in timed],
@@ -193,8 +196,16 @@ def main() -> None:
         "commit": commit(),
         "extra_args": extra,
     }
-    print(json.dumps(summary))
 
+
+def main() -> None:
+    argv = sys.argv[1:]
+    extra = argv[argv.index("--") + 1 :] if "--" in argv else []
+    opts = parse(argv[: argv.index("--")] if "--" in argv else argv)
+    body = dict(TINY if opts.tiny else BODIES[opts.body])
+    body["layers"] = opts.layers or body["layers"]
+    run_dir = run_workload(opts, extra, body)
+    print(json.dumps(summarise(run_dir, opts, extra, body)))
 
 if __name__ == "__main__":
     main()
