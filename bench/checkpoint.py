@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import sys
 from pathlib import Path
@@ -27,7 +26,7 @@ from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.weight_sync import QWEN3_0_6B, timed  # noqa: E402
+from bench.weight_sync import QWEN3_0_6B, start_process_group, timed  # noqa: E402
 from grpo.config import GRPOConfig, OptimizerConfig  # noqa: E402
 from grpo.train.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from grpo.train.export import export_hf  # noqa: E402
@@ -60,19 +59,35 @@ def folder_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
+def restored_exactly(trainer: Trainer, fresh: Trainer, device: torch.device) -> bool:
+    """Whether every rank's shards of fresh's parameters and AdamW moments equal trainer's bit for bit."""
+    exact = torch.tensor([1], device=device)
+    for saved, loaded in zip(trainer.model.parameters(), fresh.model.parameters()):
+        pairs = [(saved, loaded)] + [
+            (trainer.optimizer.state[saved][key], fresh.optimizer.state[loaded][key]) for key in ("exp_avg", "exp_avg_sq")
+        ]
+        for a, b in pairs:
+            if not torch.equal(local(a), local(b)):
+                exact.zero_()
+    dist.all_reduce(exact, op=dist.ReduceOp.MIN)
+    return bool(exact)
+
+
+def gathered_save(trainer: Trainer, path: Path, is_first: bool) -> None:
+    """The baseline: the whole model and optimizer state gathered to the host of the first rank,
+    which writes it as one file."""
+    full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_state, optim_state = get_state_dict(trainer.model, trainer.optimizer, options=full)
+    if is_first:
+        torch.save({"model": model_state, "optimizer": optim_state}, path)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dir", type=Path, required=True, help="scratch folder on the disk to measure")
     parser.add_argument("--layers", type=int, default=QWEN3_0_6B.n_layers)
     opts = parser.parse_args()
-    cuda = torch.cuda.is_available()
-    if cuda:
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(device)
-        dist.init_process_group("cuda:nccl,cpu:gloo", device_id=device)
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo")
+    device = start_process_group()
     rank, world = dist.get_rank(), dist.get_world_size()
     args = ModelArgs(**{**QWEN3_0_6B.__dict__, "n_layers": opts.layers})
     root = opts.dir / "checkpoints"
@@ -89,32 +104,17 @@ def main() -> None:
     fresh = build_trainer(args, device, seed=1)
     take_a_step(fresh)
     load_s = timed(lambda: load_checkpoint(root / "step_1", fresh, None), device)
-    exact = torch.tensor([1], device=device)
-    for saved, loaded in zip(trainer.model.parameters(), fresh.model.parameters()):
-        pairs = [(saved, loaded)] + [
-            (trainer.optimizer.state[saved][key], fresh.optimizer.state[loaded][key]) for key in ("exp_avg", "exp_avg_sq")
-        ]
-        for a, b in pairs:
-            if not torch.equal(local(a), local(b)):
-                exact.zero_()
-    dist.all_reduce(exact, op=dist.ReduceOp.MIN)
+    exact = restored_exactly(trainer, fresh, device)
 
     baseline_file = opts.dir / "gathered.pt"
-
-    def gathered_save() -> None:
-        full = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        model_state, optim_state = get_state_dict(trainer.model, trainer.optimizer, options=full)
-        if rank == 0:
-            torch.save({"model": model_state, "optimizer": optim_state}, baseline_file)
-
-    baseline_save_s = timed(gathered_save, device)
+    baseline_save_s = timed(lambda: gathered_save(trainer, baseline_file, rank == 0), device)
     baseline_load_s = timed(lambda: torch.load(baseline_file, weights_only=False) if rank == 0 else None, device)
     export_s = timed(lambda: export_hf(trainer, args, None, opts.dir / "hf", rank == 0), device)
 
     if rank == 0:
         checkpoint_bytes = folder_bytes(root / "step_1")
         print(json.dumps({
-            "device": torch.cuda.get_device_name(device) if cuda else "cpu",
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "ranks": world,
             "params": params,
             "checkpoint_GB": round(checkpoint_bytes / 1e9, 3),
