@@ -204,7 +204,7 @@ def hf_step(args: ModelArgs, device, lengths: list[int], micro_batch_tokens: int
     return model, step
 
 
-def main() -> None:
+def parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--configs", default="a,b,c")
     parser.add_argument("--baselines", default="hf")
@@ -215,7 +215,11 @@ def main() -> None:
     parser.add_argument("--logits", default="fp32", help="the head's logits dtypes to run tandem with: fp32,bf16")
     parser.add_argument("--attention", default="flash", help="the trainer's attention kernels to run: flash,fa4")
     parser.add_argument("--profile", default="", help="a folder: write each run's kernel table there")
-    opts = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    opts = parse()
     if not torch.cuda.is_available():
         raise SystemExit("bench/train.py measures a GPU; no CUDA device is visible")
     device = torch.device("cuda", 0)
