@@ -74,6 +74,28 @@ def tandem(opts, engine: str = "native", lora_rank: int = 0) -> dict:
     )
 
 
+def held_out_accuracy(model, tokenizer, prompts: list, meta: dict, cfg) -> float:
+    """The HF model's greedy accuracy on the held-out prompts, 64 at a time, by the run's reward."""
+    import torch
+
+    import rewards
+
+    model.eval()
+    correct = 0
+    for start in range(0, len(prompts), 64):
+        chunk = prompts[start : start + 64]
+        texts = [tokenizer.apply_chat_template([{"role": "user", "content": p.text}], add_generation_prompt=True,
+                                               tokenize=False) for p in chunk]
+        batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
+        with torch.no_grad():
+            out = model.generate(**batch, max_new_tokens=cfg.generation.max_new_tokens, do_sample=False)
+        for p, ids in zip(chunk, out[:, batch["input_ids"].shape[1]:]):
+            text = tokenizer.decode(ids, skip_special_tokens=True)
+            correct += rewards.reasoning_gym("", text, "", meta[p.index]) >= cfg.eval.correct_reward
+    model.train()
+    return correct / len(prompts)
+
+
 def trl_peer(opts, use_vllm: bool = False) -> dict:
     import torch
     from datasets import Dataset
@@ -121,23 +143,7 @@ def trl_peer(opts, use_vllm: bool = False) -> dict:
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=dataset,
                           processing_class=tokenizer, callbacks=[timer])
 
-    def accuracy() -> float:
-        m = trainer.model.eval()
-        correct = 0
-        for start in range(0, len(task.eval_prompts), 64):
-            chunk = task.eval_prompts[start : start + 64]
-            texts = [tokenizer.apply_chat_template([{"role": "user", "content": p.text}], add_generation_prompt=True,
-                                                   tokenize=False) for p in chunk]
-            batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(m.device)
-            with torch.no_grad():
-                out = m.generate(**batch, max_new_tokens=cfg.generation.max_new_tokens, do_sample=False)
-            for p, ids in zip(chunk, out[:, batch["input_ids"].shape[1]:]):
-                text = tokenizer.decode(ids, skip_special_tokens=True)
-                correct += rewards.reasoning_gym("", text, "", meta[p.index]) >= cfg.eval.correct_reward
-        m.train()
-        return correct / len(task.eval_prompts)
-
-    before = accuracy()
+    before = held_out_accuracy(trainer.model, tokenizer, task.eval_prompts, meta, cfg)
     start = time.perf_counter()
     trainer.train()
     wall = time.perf_counter() - start
@@ -146,7 +152,8 @@ def trl_peer(opts, use_vllm: bool = False) -> dict:
     if use_vllm:
         versions["vllm_version"] = __import__("vllm").__version__
     return dict(impl="trl_vllm" if use_vllm else "trl", **versions, steps=opts.steps, wall_s=round(wall, 1),
-                accuracy_before=before, accuracy_after=accuracy(), reward_curve=curve,
+                accuracy_before=before, accuracy_after=held_out_accuracy(trainer.model, tokenizer, task.eval_prompts, meta, cfg),
+                reward_curve=curve,
                 step_s_median=round(statistics.median(timer.times[1:] or timer.times), 3))
 
 
