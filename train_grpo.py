@@ -23,7 +23,14 @@ import torch.distributed as dist
 
 from grpo.config import DEFAULT_CONFIG_PATH, Config, ConfigError, load_config, record_config
 from grpo.distributed import error_report
-from grpo.distributed.faults import GracefulStop, PeerLost, is_connection_lost, peer_lost, restart_count
+from grpo.distributed.faults import (
+    GracefulStop,
+    PeerLost,
+    is_connection_lost,
+    peer_lost,
+    restart_count,
+    show_stacks_on_crash,
+)
 from grpo.distributed.preflight import check_output_dir, check_shared_output_dir, take_output_lock
 from grpo.distributed.roles import build_roles
 from grpo.errors import TandemError
@@ -168,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{__doc__.strip()}\n\nEvery key, its default and a one-line comment: {DEFAULT_CONFIG_PATH}")
         return 0
     error_report.attach(None)
+    show_stacks_on_crash()
     try:
         cfg = load_config(argv)
     except ConfigError as error:

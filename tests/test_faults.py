@@ -1,4 +1,5 @@
-"""Guard rails of a whole launch: non-finite updates, a NaN reward, a stalled rank, Ctrl-C."""
+"""Guard rails of a whole launch: non-finite updates, a NaN reward, a stalled rank, a rank that
+crashes in native code, Ctrl-C."""
 
 from __future__ import annotations
 
@@ -77,6 +78,21 @@ def test_a_stalled_rank_is_named_by_the_rank_waiting_for_it(tmp_path):
         "error: generator rank 0 waited more than 10 s for the rewards of trainer ranks [1] "
         "(parallelism.collective_timeout_s); that rank is stalled or gone"
     ) in result.stderr
+
+
+def test_a_rank_that_crashes_in_native_code_leaves_its_python_stack(tmp_path):
+    """Rank 1 dies of SIGABRT inside a reward call, as a crash in a native library does: its stderr
+    shows where it was, down to the reward function, and rank 0 says it lost its peer."""
+    result = launch(
+        [*SHORT, "--parallelism.mode=colocated", "--rewards.num_workers=0",
+         f'--rewards.functions=["{FIXTURES}:abort_on_rank_1"]', f"--job.output_dir={tmp_path}"],
+        nproc=2,
+    )
+    assert result.returncode != 0
+    assert "Fatal Python error: Aborted" in result.stderr, result.stderr[-3000:]
+    crash = result.stderr.split("Fatal Python error: Aborted", 1)[1]
+    assert "in abort_on_rank_1" in crash and "in score" in crash, crash[:3000]
+    assert "error: colocated rank 0 lost its connection while waiting for" in result.stderr, result.stderr[-3000:]
 
 
 def test_ctrl_c_in_a_single_process_run_saves_and_exits_0(tmp_path):

@@ -4,6 +4,7 @@ refuse a run before it starts are in preflight.py)."""
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import signal
 import sys
@@ -83,6 +84,15 @@ class GracefulStop:
     @staticmethod
     def name(number: int) -> str:
         return signal.Signals(number).name
+
+
+def show_stacks_on_crash() -> None:
+    """On a crash in native code (SIGSEGV, SIGABRT, SIGFPE, SIGBUS, SIGILL), print every thread's
+    Python stack to stderr before the process dies. Left as it is where something already did so
+    (PYTHONFAULTHANDLER, pytest)."""
+    # Otherwise such a rank dies without a word, and torchrun's summary says only "Signal 6".
+    if not faulthandler.is_enabled():
+        faulthandler.enable(all_threads=True)
 
 
 def _is_timeout(error: BaseException) -> bool:
