@@ -1,6 +1,7 @@
 """What a long job needs to survive once it runs: a graceful stop on SIGTERM / SIGINT, collective
-waits that report whom they waited on, and the line for a rank whose peers died (the checks that
-refuse a run before it starts are in preflight.py)."""
+waits that report whom they waited on, the line for a rank whose peers died, and the Python stacks
+of a rank that crashes in native code (the checks that refuse a run before it starts are in
+preflight.py)."""
 
 from __future__ import annotations
 
