@@ -23,6 +23,7 @@ rate is commonly about 10x full fine-tuning's).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import subprocess
@@ -143,7 +144,8 @@ def trl_peer(opts, use_vllm: bool = False) -> dict:
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=dataset,
                           processing_class=tokenizer, callbacks=[timer])
 
-    before = held_out_accuracy(trainer.model, tokenizer, task.eval_prompts, meta, cfg)
+    accuracy = functools.partial(held_out_accuracy, trainer.model, tokenizer, task.eval_prompts, meta, cfg)
+    before = accuracy()
     start = time.perf_counter()
     trainer.train()
     wall = time.perf_counter() - start
@@ -152,8 +154,7 @@ def trl_peer(opts, use_vllm: bool = False) -> dict:
     if use_vllm:
         versions["vllm_version"] = __import__("vllm").__version__
     return dict(impl="trl_vllm" if use_vllm else "trl", **versions, steps=opts.steps, wall_s=round(wall, 1),
-                accuracy_before=before, accuracy_after=held_out_accuracy(trainer.model, tokenizer, task.eval_prompts, meta, cfg),
-                reward_curve=curve,
+                accuracy_before=before, accuracy_after=accuracy(), reward_curve=curve,
                 step_s_median=round(statistics.median(timer.times[1:] or timer.times), 3))
 
 
