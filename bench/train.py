@@ -204,6 +204,36 @@ def hf_step(args: ModelArgs, device, lengths: list[int], micro_batch_tokens: int
     return model, step
 
 
+def run_one(opts: argparse.Namespace, args: ModelArgs, device: torch.device, config: dict, run: tuple,
+            lengths: list[int], budget: int, seconds_at_peak: float, profile_stem: Path) -> dict:
+    """One implementation's timed steps on one config: its JSON fields (tok/s, step time, MFU, peak
+    memory), or the out-of-memory error it met. run: (impl, compiled, logits dtype, attention);
+    seconds_at_peak: the step's FLOPs over the GPU's matmul rate (its time at an MFU of 1)."""
+    impl, compiled, logits, attention = run
+    batch_invariant.set_fp32_logits(logits != "bf16")
+    set_packed_kernel(attention)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    owner = step = None
+    try:
+        if impl == "tandem":
+            owner, step = tandem_step(args, device, episode_batch(lengths, args.vocab_size), budget,
+                                      config["checkpointing"], compiled)
+        else:
+            owner, step = hf_step(args, device, lengths, budget, config["checkpointing"])
+        first, best = timed(step, opts.reps, device)
+        if opts.profile:
+            profile(step, profile_stem)
+        record = dict(tok_s=round(sum(lengths) / best), step_s=round(best, 4), first_step_s=round(first, 2),
+                      mfu=round(seconds_at_peak / best, 3),
+                      peak_gb=round(torch.cuda.max_memory_allocated(device) / 1e9, 1))
+    except torch.OutOfMemoryError as exc:
+        record = dict(error=f"out of memory: {str(exc).splitlines()[0]}")
+    del owner, step  # frees the model before the next run
+    gc.collect()
+    return record
+
+
 def parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--configs", default="a,b,c")
@@ -247,33 +277,14 @@ def main() -> None:
                 for attention in opts.attention.split(",")]
         runs += [(b, False, "", "flash") for b in opts.baselines.split(",") if b]
         for impl, compiled, logits, attention in runs:
-            batch_invariant.set_fp32_logits(logits != "bf16")
-            set_packed_kernel(attention)
             key = (f"{impl}{'_compiled' if compiled else ''}{'_bf16_logits' if logits == 'bf16' else ''}"
                    f"{'_fa4' if attention == 'fa4' else ''}")
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(device)
-            owner = step = None
-            try:
-                if impl == "tandem":
-                    owner, step = tandem_step(args, device, episode_batch(lengths, args.vocab_size), budget,
-                                              config["checkpointing"], compiled)
-                else:
-                    owner, step = hf_step(args, device, lengths, budget, config["checkpointing"])
-                first, best = timed(step, opts.reps, device)
-                if opts.profile:
-                    profile(step, Path(opts.profile) / f"{name}_{key}")
-                record = dict(tok_s=round(sum(lengths) / best), step_s=round(best, 4), first_step_s=round(first, 2),
-                              mfu=round(flops["tandem" if impl == "tandem" else "hf"] / best / peak, 3),
-                              peak_gb=round(torch.cuda.max_memory_allocated(device) / 1e9, 1))
-            except torch.OutOfMemoryError as exc:
-                record = dict(error=f"out of memory: {str(exc).splitlines()[0]}")
-            del owner, step  # frees the model before the next run
-            gc.collect()
-            rows[key] = record
+            seconds_at_peak = flops["tandem" if impl == "tandem" else "hf"] / peak
+            rows[key] = run_one(opts, args, device, config, (impl, compiled, logits, attention), lengths, budget,
+                                seconds_at_peak, Path(opts.profile or ".") / f"{name}_{key}")
             print(json.dumps(dict(base, bench="train", config=name, impl=key, sequences=len(lengths),
                                   tokens=sum(lengths), micro_batch_tokens=budget,
-                                  activation_checkpointing=config["checkpointing"], **record)), flush=True)
+                                  activation_checkpointing=config["checkpointing"], **rows[key])), flush=True)
         best_ours = max((r.get("tok_s", 0) for k, r in rows.items() if k.startswith("tandem")), default=0)
         for b in opts.baselines.split(","):
             if b and rows.get(b, {}).get("tok_s"):
