@@ -91,14 +91,29 @@ def engine_holds_masters(roles, engine, args: ModelArgs, dtype: torch.dtype, dev
     return bool(exact[0])
 
 
-def main() -> None:
+def parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--generators", type=int, default=1)
     parser.add_argument("--bucket-mb", type=int, default=256)
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--file-reps", type=int, default=3)
     parser.add_argument("--layers", type=int, default=QWEN3_0_6B.n_layers)
-    opts = parser.parse_args()
+    return parser.parse_args()
+
+
+def build_side(roles, args: ModelArgs, dtype: torch.dtype, device: torch.device) -> tuple[dict | None, NativeEngine | None]:
+    """This rank's side of the sync: a trainer's sharded fp32 parameters by name, or a generator's engine."""
+    if not roles.is_trainer:
+        return None, NativeEngine(args, SamplingParams(1), eos_ids=[0], seed=0, dtype=dtype, device=device)
+    torch.manual_seed(0)
+    trainer_model = Transformer(args, dtype=torch.float32, device=device)
+    trainer_model.init_weights()
+    parallelize(trainer_model, roles.trainer_mesh, compute_dtype=dtype)
+    return dict(trainer_model.named_parameters()), None
+
+
+def main() -> None:
+    opts = parse()
     device = start_process_group()
     roles = build_roles("split", opts.generators, device)
     args = ModelArgs(**{**QWEN3_0_6B.__dict__, "n_layers": opts.layers})
@@ -106,16 +121,7 @@ def main() -> None:
     with torch.device("meta"):
         shapes = {name: tuple(p.shape) for name, p in Transformer(args).named_parameters()}
     sync = WeightSync(shapes, roles.trainer_ranks, roles.weight_groups, dtype, device, opts.bucket_mb * 2**20)
-
-    params = engine = None
-    if roles.is_trainer:
-        torch.manual_seed(0)
-        trainer_model = Transformer(args, dtype=torch.float32, device=device)
-        trainer_model.init_weights()
-        parallelize(trainer_model, roles.trainer_mesh, compute_dtype=dtype)
-        params = dict(trainer_model.named_parameters())
-    else:
-        engine = NativeEngine(args, SamplingParams(1), eos_ids=[0], seed=0, dtype=dtype, device=device)
+    params, engine = build_side(roles, args, dtype, device)
 
     def in_memory() -> None:
         if roles.is_trainer:
