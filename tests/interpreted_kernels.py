@@ -55,6 +55,7 @@ def check_rms_norm() -> None:
 
 
 def check_attention() -> None:
+    """The packed kernel against SDPA, alone and packed with others; the slot kernel against it."""
     g = torch.Generator().manual_seed(2)
     H, Hkv, D = 4, 2, 16
     lengths = [1, 70, 16, 5]
@@ -82,30 +83,39 @@ def check_attention() -> None:
     decoded = kernels.slot_attention(q[rows], k_cache, v_cache, torch.tensor(slots),
                                      torch.tensor(positions, dtype=torch.int32) + 1)
     assert torch.equal(decoded, packed[rows])
+    _check_shared_prompt(q, k_cache, v_cache, packed, bounds[1], bounds[2])
+    _check_new_kv_stored(q, k, v, k_cache, v_cache, packed, lengths, [b - 1 for b in bounds[1:]])
+    _check_attended_keys(q, k, v, k_cache, v_cache, packed, bounds[1], bounds[2])
 
-    # Sequence 1 again from a slot whose first 40 keys are NaN, which reads those from a reader
-    # slot whose other keys are NaN (a shared prompt; the boundary falls inside a key block).
-    reader, own = len(lengths), len(lengths) + 1
+
+def _check_shared_prompt(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, packed: torch.Tensor, a: int,
+                         b: int) -> None:
+    """Sequence 1 (tokens a:b, slot 1) again from a slot whose first 40 keys are NaN, which reads
+    those from a reader slot whose other keys are NaN (a shared prompt; the boundary falls inside a
+    key block)."""
+    reader, own = k_cache.shape[0], k_cache.shape[0] + 1
     k_two, v_two = (torch.cat([c, c[1:2], c[1:2]]) for c in (k_cache, v_cache))
     for c in (k_two, v_two):
         c[reader, 40:], c[own, :40] = float("nan"), float("nan")
-    a, b = bounds[1], bounds[2]
     n = b - a
     shared = kernels.slot_attention(q[a:b], k_two, v_two, torch.full((n,), own), torch.arange(1, n + 1, dtype=torch.int32),
                                     torch.full((n,), reader), torch.full((n,), 40, dtype=torch.int32))
     assert torch.equal(shared, packed[a:b])
 
-    # Each sequence's last token decoded with its own key and value handed to the kernel, which
-    # stores them in the slot (where the cache holds NaN) before attending: the same bits again.
-    last = [b - 1 for b in bounds[1:]]
+
+def _check_new_kv_stored(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                         v_cache: torch.Tensor, packed: torch.Tensor, lengths: list[int], last: list[int]) -> None:
+    """Each sequence's last token (at `last`) decoded with its own key and value handed to the
+    kernel, which stores them in the slot (where the cache holds NaN) before attending: the same
+    bits again."""
     k_new, v_new = k_cache.clone(), v_cache.clone()
     for s, length in enumerate(lengths):
         k_new[s, length - 1], v_new[s, length - 1] = float("nan"), float("nan")
     # Q and V handed over as views into wider rows, as the fused projection's output holds them, so
     # their strides differ from K's.
     wide = torch.cat([torch.full_like(v[last], float("nan")), v[last]], dim=1)
-    new_v = wide[:, Hkv:]
-    q_view = torch.cat([q[last], k[last]], dim=1)[:, :H]
+    new_v = wide[:, k.shape[1]:]
+    q_view = torch.cat([q[last], k[last]], dim=1)[:, :q.shape[1]]
     assert new_v.stride() != k[last].stride() and not q_view.is_contiguous()
     stored = kernels.slot_attention(q_view, k_new, v_new, torch.arange(len(lengths)),
                                     torch.tensor(lengths, dtype=torch.int32), new_k=k[last], new_v=new_v)
@@ -113,8 +123,13 @@ def check_attention() -> None:
     assert torch.equal(k_new.nan_to_num(7.0), k_cache.nan_to_num(7.0))
     assert torch.equal(v_new.nan_to_num(7.0), v_cache.nan_to_num(7.0))
 
-    # Sequence 1's last token attending only to its slot's first `count` keys (a finished row
-    # attends to one), with NaN from there on: one key, inside a key block, a block's edge, all.
+
+def _check_attended_keys(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                         v_cache: torch.Tensor, packed: torch.Tensor, a: int, b: int) -> None:
+    """Sequence 1's (tokens a:b, slot 1) last token attending only to its slot's first `count`
+    keys (a finished row attends to one), with NaN from there on: one key, inside a key block, a
+    block's edge, all."""
+    n = b - a
     counts = [1, 33, kernels.ATTENTION_BLOCK_N, kernels.ATTENTION_BLOCK_N + 1, n]
     k_head, v_head = (c[1:2].repeat(len(counts), 1, 1, 1) for c in (k_cache, v_cache))
     for row, count in enumerate(counts):
