@@ -26,6 +26,7 @@ from grpo.distributed import error_report
 from grpo.distributed.faults import (
     GracefulStop,
     PeerLost,
+    end_process,
     is_connection_lost,
     peer_lost,
     restart_count,
@@ -209,4 +210,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    end_process(main())

@@ -1,5 +1,5 @@
 """Guard rails of a whole launch: non-finite updates, a NaN reward, a stalled rank, a rank that
-crashes in native code, Ctrl-C."""
+crashes in native code, a rank's end after its work, Ctrl-C."""
 
 from __future__ import annotations
 
@@ -93,6 +93,21 @@ def test_a_rank_that_crashes_in_native_code_leaves_its_python_stack(tmp_path):
     crash = result.stderr.split("Fatal Python error: Aborted", 1)[1]
     assert "in abort_on_rank_1" in crash and "in score" in crash, crash[:3000]
     assert "error: colocated rank 0 lost its connection while waiting for" in result.stderr, result.stderr[-3000:]
+
+
+def test_a_rank_ends_without_the_teardown_in_which_a_process_groups_thread_aborts_it(tmp_path):
+    """A gloo worker thread frees a Python-made tensor while its process ends: through
+    `end_process`, as train_grpo.py ends a rank, both ranks exit 0 and their exit handlers run
+    (through the interpreter's teardown the C++ runtime aborts such a rank, "terminate called
+    without an active exception": tests/fixtures/late_release.py)."""
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         str(REPO / "tests" / "fixtures" / "late_release.py"), str(tmp_path), "end_process"],
+        cwd=REPO, env=launch_env(), capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "terminate called" not in result.stderr
+    assert [(tmp_path / f"exit_handler_{rank}").read_text() for rank in (0, 1)] == ["ran", "ran"]
 
 
 def test_ctrl_c_in_a_single_process_run_saves_and_exits_0(tmp_path):
