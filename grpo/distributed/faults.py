@@ -6,13 +6,12 @@ checks that refuse a run before it starts are in preflight.py)."""
 from __future__ import annotations
 
 import atexit
-import contextlib
 import faulthandler
 import os
 import signal
 import sys
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import NoReturn
 
 import torch.distributed as dist
@@ -112,7 +111,7 @@ def end_process(code: int) -> NoReturn:
     several hundred CPU runs. Without the teardown there is no such moment."""
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(OSError, ValueError):  # a closed pipe has nothing left to lose
+        with suppress(OSError, ValueError):  # a closed pipe has nothing left to lose
             stream.flush()
     os._exit(code)
 
