@@ -108,7 +108,9 @@ def end_process(code: int) -> NoReturn:
     moment falls inside the interpreter's teardown, taking the GIL to free the tensor ends the thread
     inside a destructor, and the C++ runtime aborts the process ("terminate called without an
     active exception", SIGABRT). That turned a finished, saved run into a failed one, once in
-    several hundred CPU runs. Without the teardown there is no such moment."""
+    several hundred CPU runs. Without the teardown there is no such moment. (Python's
+    multiprocessing ends its child processes the same way, which is why the test suite's forked
+    ranks never met it.)"""
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         with suppress(OSError, ValueError):  # a closed pipe has nothing left to lose
