@@ -205,10 +205,11 @@ def hf_step(args: ModelArgs, device, lengths: list[int], micro_batch_tokens: int
 
 
 def run_one(opts: argparse.Namespace, args: ModelArgs, device: torch.device, config: dict, run: tuple,
-            lengths: list[int], budget: int, seconds_at_peak: float, profile_stem: Path) -> dict:
+            lengths: list[int], budget: int, seconds_at_peak: float, profile_stem: Path | None) -> dict:
     """One implementation's timed steps on one config: its JSON fields (tok/s, step time, MFU, peak
     memory), or the out-of-memory error it met. run: (impl, compiled, logits dtype, attention);
-    seconds_at_peak: the step's FLOPs over the GPU's matmul rate (its time at an MFU of 1)."""
+    seconds_at_peak: the step's FLOPs over the GPU's matmul rate (its time at an MFU of 1);
+    profile_stem: where its kernel table goes, or None for no profile."""
     impl, compiled, logits, attention = run
     batch_invariant.set_fp32_logits(logits != "bf16")
     set_packed_kernel(attention)
@@ -222,7 +223,7 @@ def run_one(opts: argparse.Namespace, args: ModelArgs, device: torch.device, con
         else:
             owner, step = hf_step(args, device, lengths, budget, config["checkpointing"])
         first, best = timed(step, opts.reps, device)
-        if opts.profile:
+        if profile_stem is not None:
             profile(step, profile_stem)
         record = dict(tok_s=round(sum(lengths) / best), step_s=round(best, 4), first_step_s=round(first, 2),
                       mfu=round(seconds_at_peak / best, 3),
@@ -280,8 +281,9 @@ def main() -> None:
             key = (f"{impl}{'_compiled' if compiled else ''}{'_bf16_logits' if logits == 'bf16' else ''}"
                    f"{'_fa4' if attention == 'fa4' else ''}")
             seconds_at_peak = flops["tandem" if impl == "tandem" else "hf"] / peak
+            profile_stem = Path(opts.profile) / f"{name}_{key}" if opts.profile else None
             rows[key] = run_one(opts, args, device, config, (impl, compiled, logits, attention), lengths, budget,
-                                seconds_at_peak, Path(opts.profile or ".") / f"{name}_{key}")
+                                seconds_at_peak, profile_stem)
             print(json.dumps(dict(base, bench="train", config=name, impl=key, sequences=len(lengths),
                                   tokens=sum(lengths), micro_batch_tokens=budget,
                                   activation_checkpointing=config["checkpointing"], **rows[key])), flush=True)
