@@ -1,6 +1,7 @@
-"""The loss family (grpo/train/loss.py policy_loss) against explicit formulas: Python loops over
-sequences and tokens built from scalar torch ops, so autograd on the loop gives the formula's
-gradient, plus hand numbers. The advantage options are in test_advantages.py."""
+"""The loss family (grpo/train/loss.py policy_loss) against explicit formulas: the loop formula of
+tests/loss_reference.py, whose autograd gives the formula's gradient, plus hand numbers. The loss
+split over micro-batches and ranks is in test_loss_decomposition.py, the advantage options in
+test_advantages.py."""
 
 from __future__ import annotations
 
@@ -11,65 +12,7 @@ import pytest
 import torch
 
 from grpo.train.loss import LOSS_TYPES, LossSettings, Normalizers, policy_loss
-
-# ------------------------------------------------------------------------------------ the loop formula
-
-
-def _surrogate(r, a: float, eps_low: float, eps_high: float, c: float):
-    """-min(r A, clip(r) A), then min(., -c A) for A < 0 when dual clip is on; r a 0-d tensor."""
-    clipped_r = min(max(r, 1 - eps_low), 1 + eps_high)  # a float once clamped: no gradient through it
-    loss = -min(r * a, clipped_r * a)
-    if c > 0 and a < 0:
-        loss = min(loss, -c * a)
-    return loss
-
-
-def _kl(logprob, ref: float, estimator: str):
-    d = ref - logprob
-    return {"k1": -d, "k2": d * d / 2, "k3": torch.exp(d) - d - 1}[estimator]
-
-
-def reference_loss(t: dict, s: LossSettings, norm: Normalizers):
-    """The minibatch-loss share of one micro-batch, token by token."""
-    lp, old, gen, ref, ent = t["logprobs"], t["old"], t["gen"], t["ref"], t["entropy"]
-    seqs: dict[int, list[tuple[int, int]]] = {}
-    for r in range(lp.shape[0]):
-        for c in range(lp.shape[1]):
-            if float(t["mask"][r, c]) == 1.0:
-                seqs.setdefault(int(t["seq_ids"][r, c]), []).append((r, c))
-    micro_batch_tokens = sum(len(toks) for toks in seqs.values())
-    total = torch.zeros((), dtype=lp.dtype)
-    for toks in seqs.values():
-        a = float(t["advantages"][toks[0]])
-        n = len(toks)
-        if s.loss_type == "gspo":
-            s_i = torch.exp(sum(lp[k] - old[k] for k in toks) / n)
-            seq_surrogate = _surrogate(s_i, a, s.gspo_clip_eps_low, s.gspo_clip_eps_high, s.clip_ratio_c)
-        seq_w = math.exp(sum(float(old[k] - gen[k]) for k in toks))
-        seq_total = 0.0
-        for k in toks:
-            if s.loss_type == "gspo":
-                surrogate = seq_surrogate
-            else:
-                surrogate = _surrogate(torch.exp(lp[k] - old[k]), a, s.clip_eps_low, s.clip_eps_high, s.clip_ratio_c)
-            weight = 1.0
-            if s.tis_cap > 0:
-                w = seq_w if s.tis_level == "sequence" else math.exp(float(old[k] - gen[k]))
-                weight = min(w, s.tis_cap) if s.tis_mode == "truncate" else (0.0 if w > s.tis_cap else 1.0)
-            term = weight * surrogate
-            if s.kl_coef > 0:
-                term = term + s.kl_coef * _kl(lp[k], float(ref[k]), s.kl_estimator)
-            term = term - s.entropy_coef * ent[k]
-            seq_total = seq_total + term
-        if s.loss_type in ("grpo", "gspo"):
-            total = total + seq_total / n / norm.global_sequences
-        elif s.loss_type == "dapo":
-            total = total + seq_total / norm.global_tokens
-        elif s.loss_type == "dr_grpo":
-            total = total + seq_total / (norm.global_sequences * s.max_new_tokens)
-        else:  # bnpo
-            total = total + seq_total / micro_batch_tokens / norm.micro_batches / norm.world_size
-    return total
+from tests.loss_reference import grads, kl_term, reference_loss
 
 
 def _call(t: dict, s: LossSettings, norm: Normalizers):
@@ -142,8 +85,8 @@ def _check_against_reference(t: dict, s: LossSettings, norm: Normalizers):
     got = _call(t, s, norm)
     want = reference_loss(t, s, norm)
     assert float(got.loss.detach()) == pytest.approx(float(want.detach()), rel=1e-12, abs=1e-14)
-    got_lp, got_ent = _grads(got.loss, [t["logprobs"], t["entropy"]])
-    want_lp, want_ent = _grads(want, [t["logprobs"], t["entropy"]])
+    got_lp, got_ent = grads(got.loss, [t["logprobs"], t["entropy"]])
+    want_lp, want_ent = grads(want, [t["logprobs"], t["entropy"]])
     torch.testing.assert_close(got_lp, want_lp, rtol=1e-12, atol=1e-14)
     torch.testing.assert_close(got_ent, want_ent, rtol=1e-12, atol=1e-14)
     return got, got_lp, got_ent
@@ -385,7 +328,7 @@ def _loop_masked_sum(key: str) -> float:
 def _loop_kl_sum(estimator: str) -> float:
     t = fixture()
     return sum(
-        float(_kl(t["logprobs"][r, c].detach(), float(t["ref"][r, c]), estimator))
+        float(kl_term(t["logprobs"][r, c].detach(), float(t["ref"][r, c]), estimator))
         for r in range(2)
         for c in range(10)
         if t["mask"][r, c] == 1
@@ -422,128 +365,3 @@ def test_stats_without_reference():
 def test_settings_refuse_bad_values(field: str, value):
     with pytest.raises(ValueError, match=field):
         LossSettings(**{field: value})
-
-
-# ------------------------------------------------------------------------------------ decomposition
-
-WORLD, MICRO = 2, 2
-
-
-def _random_sequences(n: int, seed: int) -> list[dict]:
-    g = torch.Generator().manual_seed(seed)
-    seqs = []
-    for i in range(n):
-        length = int(torch.randint(3, 10, (1,), generator=g))
-        prompt = int(torch.randint(1, 3, (1,), generator=g))
-        old = -torch.rand(length, generator=g, dtype=torch.float64) * 2 - 0.1
-        seqs.append(
-            dict(
-                logprobs=(old + (torch.rand(length, generator=g, dtype=torch.float64) - 0.5)).requires_grad_(True),
-                old=old,
-                gen=old - (torch.rand(length, generator=g, dtype=torch.float64) - 0.5) * 1.5,
-                ref=old + (torch.rand(length, generator=g, dtype=torch.float64) - 0.5),
-                entropy=torch.rand(length, generator=g, dtype=torch.float64).requires_grad_(True),
-                # sequence 3 is truncated and masked out entirely
-                mask=torch.tensor([0.0] * prompt + [0.0 if i == 3 else 1.0] * (length - prompt), dtype=torch.float64),
-                advantage=float(torch.randn(1, generator=g, dtype=torch.float64)) if i % 4 else 0.0,
-            )
-        )
-    return seqs
-
-
-def _pack(seqs: list[dict]) -> dict:
-    """Two sequences per row, right-padded; built with torch.cat so gradients reach each sequence's leaves."""
-    rows = [seqs[i : i + 2] for i in range(0, len(seqs), 2)]
-    width = max(sum(len(s["mask"]) for s in row) for row in rows)
-    t: dict[str, list] = {k: [] for k in ("logprobs", "old", "gen", "ref", "entropy", "mask", "advantages", "seq_ids")}
-    for r, row in enumerate(rows):
-        pad = width - sum(len(s["mask"]) for s in row)
-        zeros = torch.zeros(pad, dtype=torch.float64)
-        for k in ("logprobs", "old", "gen", "ref", "entropy", "mask"):
-            t[k].append(torch.cat([s[k] for s in row] + [zeros]))
-        t["advantages"].append(torch.cat([torch.full_like(s["mask"], s["advantage"]) for s in row] + [zeros]))
-        ids = [torch.full((len(s["mask"]),), 2 * r + j, dtype=torch.int64) for j, s in enumerate(row)]
-        t["seq_ids"].append(torch.cat(ids + [torch.full((pad,), -1, dtype=torch.int64)]))
-    return {k: torch.stack(v) for k, v in t.items()}
-
-
-def _global_norm(seqs: list[dict]) -> Normalizers:
-    tokens = sum(float(s["mask"].sum()) for s in seqs)
-    sequences = sum(1.0 for s in seqs if s["mask"].sum() > 0)
-    return Normalizers(tokens, sequences, MICRO, WORLD)
-
-
-def _parts(seqs: list[dict]) -> list[list[dict]]:
-    # rank 0: micro-batches of 3 and 2 sequences; rank 1: 4 and 3 (uneven on purpose)
-    return [seqs[0:3], seqs[3:5], seqs[5:9], seqs[9:12]]
-
-
-DECOMPOSITION_SETTINGS = {
-    "plain": {},
-    "everything_token": dict(clip_ratio_c=3.0, kl_coef=0.05, entropy_coef=0.02, tis_cap=1.3),
-    "everything_sequence": dict(
-        clip_ratio_c=3.0, kl_coef=0.05, kl_estimator="k2", entropy_coef=0.02, tis_cap=1.3, tis_level="sequence"
-    ),
-}
-
-
-@pytest.mark.parametrize("option", list(DECOMPOSITION_SETTINGS))
-@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo", "gspo"])
-def test_split_over_micro_batches_and_ranks_equals_whole(loss_type: str, option: str):
-    seqs = _random_sequences(12, seed=7)
-    s = LossSettings(
-        loss_type=loss_type,
-        clip_eps_high=0.28,
-        # wide enough that some gspo sequences sit inside the band
-        gspo_clip_eps_low=0.1,
-        gspo_clip_eps_high=0.1,
-        max_new_tokens=9,
-        **DECOMPOSITION_SETTINGS[option],
-    )
-    norm = _global_norm(seqs)
-    leaves = [s_["logprobs"] for s_ in seqs] + [s_["entropy"] for s_ in seqs]
-
-    whole = policy_loss(**_kwargs(_pack(seqs)), settings=s, norm=replace(norm, micro_batches=1, world_size=1))
-    # each rank scales its shares by world_size; FSDP averages the ranks' gradients
-    split = sum(policy_loss(**_kwargs(_pack(p)), settings=s, norm=norm).loss * WORLD for p in _parts(seqs)) / WORLD
-    assert float(split.detach()) == pytest.approx(float(whole.loss.detach()), rel=1e-12)
-    for got, want in zip(_grads(split, leaves), _grads(whole.loss, leaves)):
-        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-15)
-    # the loop formula agrees with the whole batch too
-    assert float(reference_loss(_pack(seqs), s, norm).detach()) == pytest.approx(float(whole.loss.detach()), rel=1e-12)
-
-
-def test_bnpo_is_the_mean_of_micro_batch_token_means():
-    seqs = _random_sequences(12, seed=11)
-    s = LossSettings(loss_type="bnpo", entropy_coef=0.01, kl_coef=0.02)
-    norm = _global_norm(seqs)
-    shares = sum(policy_loss(**_kwargs(_pack(p)), settings=s, norm=norm).loss for p in _parts(seqs))
-    # token mean of each micro-batch (dapo with its own token count), averaged over the 4 micro-batches
-    means = [
-        reference_loss(_pack(p), replace(s, loss_type="dapo"), _global_norm(p))
-        for p in _parts(seqs)
-    ]
-    want = sum(means) / (MICRO * WORLD)
-    assert float(shares.detach()) == pytest.approx(float(want.detach()), rel=1e-12)
-    leaves = [s_["logprobs"] for s_ in seqs]
-    for got, w in zip(_grads(shares, leaves), _grads(want, leaves)):
-        torch.testing.assert_close(got, w, rtol=1e-12, atol=1e-15)
-
-
-def _grads(loss: torch.Tensor, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
-    """d loss / d leaf, zeros for leaves the loss does not use (entropy without a bonus)."""
-    grads = torch.autograd.grad(loss, leaves, allow_unused=True)
-    return [torch.zeros_like(leaf) if g is None else g for g, leaf in zip(grads, leaves)]
-
-
-def _kwargs(t: dict) -> dict:
-    return dict(
-        logprobs=t["logprobs"],
-        old_logprobs=t["old"],
-        gen_logprobs=t["gen"],
-        ref_logprobs=t["ref"],
-        entropy=t["entropy"],
-        advantages=t["advantages"],
-        mask=t["mask"],
-        seq_ids=t["seq_ids"],
-    )
