@@ -186,8 +186,6 @@ class VLLMEngine:
     ):
         if stop_strings and decode_text is None:
             raise ValueError("stop strings need a decode_text function to read the completion text")
-        from vllm import LLM
-
         from grpo.engine.vllm_model import ARCHITECTURE  # importing it registers the wrapper with vLLM here
 
         self.args, self.sampling, self.seed, self.dtype = args, sampling, seed, dtype
@@ -203,27 +201,36 @@ class VLLMEngine:
         self._staging = self._staging_buffer(staging_mb)
         kv_bytes = kv_budget_bytes(slot_bytes(args, max_seq_len, dtype), max_batch_size, self.device, kv_cache_gb,
                                    kv_cache_fraction)
-        memory = self._memory_options(kv_bytes)
-        # The engine core in a process of its own: see the module docstring.
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
-        with engine_core_environment():
-            self.llm = LLM(
-                model=self._folder, skip_tokenizer_init=True, load_format="dummy", dtype=config["torch_dtype"],
-                max_model_len=max_seq_len, max_num_seqs=max_batch_size, seed=seed,
-                logprobs_mode="processed_logprobs", enforce_eager=self.device.type == "cpu" or not cuda_graphs,
-                # A conversation's next turn finds its history's K/V here (and a group its prompt's).
-                enable_prefix_caching=True,
-                compilation_config=None if compile and self.device.type == "cuda" else 0,
-                worker_extension_cls="grpo.engine.vllm_model.TandemWorkerExtension",
-                **memory, **(llm_options or {}),
-            )
-        self.llm.collective_rpc("tandem_open_staging", args=(self._staging.handle(),))
+        on_cuda = self.device.type == "cuda"
+        options = dict(
+            dtype=config["torch_dtype"], max_model_len=max_seq_len, max_num_seqs=max_batch_size, seed=seed,
+            enforce_eager=not (on_cuda and cuda_graphs), compilation_config=None if compile and on_cuda else 0,
+            **self._memory_options(kv_bytes), **(llm_options or {}),
+        )
+        self.llm = self._start_llm(options)
         if lora is not None:
             self.llm.collective_rpc("tandem_enable_lora", args=(lora.rank, lora.alpha, list(lora.targets)))
         self._plans: dict[tuple, tuple[int, list[torch.Tensor]]] = {}
         self._kv_released = False
         self._stale_prefix_cache = False
         self._told_no_sleep = False
+
+    def _start_llm(self, options: dict):
+        """vLLM's engine on our model's folder, with the run's `options` for `vllm.LLM`, its worker
+        holding our staging buffer."""
+        from vllm import LLM
+
+        # The engine core in a process of its own: see the module docstring.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+        with engine_core_environment():
+            llm = LLM(
+                model=self._folder, skip_tokenizer_init=True, load_format="dummy", logprobs_mode="processed_logprobs",
+                # A conversation's next turn finds its history's K/V here (and a group its prompt's).
+                enable_prefix_caching=True,
+                worker_extension_cls="grpo.engine.vllm_model.TandemWorkerExtension", **options,
+            )
+        llm.collective_rpc("tandem_open_staging", args=(self._staging.handle(),))
+        return llm
 
     def _staging_buffer(self, staging_mb: float | None) -> StagingBuffer:
         itemsize = torch.empty((), dtype=self.dtype).element_size()
