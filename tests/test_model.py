@@ -1,6 +1,8 @@
-"""The native decoder against HF transformers (logits, config forms, refusals, checkpoints in and
-out, bf16 loading) and its decode from the engine's slots against its full forward. Attention over
-packed rows is in test_attention.py, the log-prob head in test_logprob_head.py.
+"""The native decoder against HF transformers (logits, config forms, checkpoints out, bf16
+loading) and its decode from the engine's slots against its full forward. Attention over
+packed rows is in test_attention.py, the log-prob head in test_logprob_head.py, refused
+configurations and damaged checkpoints in test_model_loading.py, the HF reference models in
+tests/hf_models.py.
 
 Every model here is tiny and random; HF reference models get non-trivial norm / bias / q-k-norm
 weights so that those code paths actually change the outputs.
@@ -9,126 +11,39 @@ weights so that those code paths actually change the outputs.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from grpo.engine.cache import SlotCache
 from grpo.engine.slot_step import read_slots
 from model import (
-    CheckpointError,
     ModelArgs,
     Transformer,
-    UnsupportedModelError,
     from_hf,
     to_hf,
 )
-from model.args import SUPPORTED_ARCHITECTURES, SUPPORTED_ROPE_TYPES
 from model.model import rope_inv_freq
-from tests.native_models import native_model, random_tokens, randomize_
+
+# pytest finds a test's fixtures among its module's names
+from tests.hf_models import (  # noqa: F401
+    ARCHS,
+    LLAMA3_ROPE,
+    SEQ_LEN,
+    VOCAB,
+    hf_dirs,
+    hf_logits,
+    hf_models,
+    make_hf,
+    our_logits,
+    tokens,
+)
+from tests.native_models import native_model, randomize_
 
 transformers = pytest.importorskip("transformers")
-
-VOCAB = 256
-SEQ_LEN = 40  # longer than the llama3 original_max_position_embeddings below, so the scaling matters
-
-LLAMA3_ROPE = {
-    "rope_type": "llama3",
-    # theta, factor and the frequency factors are chosen so that, with head_dim 16 and an original
-    # context of 16, the RoPE frequencies fall in all three llama3 bands (kept / interpolated / scaled)
-    "rope_theta": 500.0,
-    "factor": 8.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 2.0,
-    "original_max_position_embeddings": 16,
-}
-
-
-def hf_config(arch: str):
-    """A tiny transformers config of each supported architecture."""
-    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, rms_norm_eps=1e-6)
-    if arch == "qwen3":
-        # head_dim != hidden / heads, a single KV head, tied head, non-default theta
-        return transformers.Qwen3Config(
-            **common,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=1,
-            head_dim=24,
-            tie_word_embeddings=True,
-            max_position_embeddings=128,
-            rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
-        )
-    if arch == "llama":
-        # llama3 rope scaling, untied head, odd number of layers
-        return transformers.LlamaConfig(
-            **common,
-            num_hidden_layers=3,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            tie_word_embeddings=False,
-            max_position_embeddings=128,
-            rope_parameters=dict(LLAMA3_ROPE),
-        )
-    if arch == "qwen2":
-        # q/k/v biases
-        return transformers.Qwen2Config(
-            **common,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            tie_word_embeddings=False,
-            max_position_embeddings=128,
-            use_sliding_window=False,
-        )
-    raise AssertionError(arch)
-
-
-def make_hf(arch: str, seed: int = 0):
-    torch.manual_seed(seed)
-    hf = transformers.AutoModelForCausalLM.from_config(hf_config(arch), dtype=torch.float32)
-    randomize_(hf, seed)
-    return hf.eval()
-
-
-@torch.no_grad()
-def hf_logits(hf, tokens: torch.Tensor) -> torch.Tensor:
-    return hf(input_ids=tokens).logits.float()
-
-
-@torch.no_grad()
-def our_logits(model: Transformer, tokens: torch.Tensor) -> torch.Tensor:
-    return model(tokens).float()
-
-
-ARCHS = ["qwen3", "llama", "qwen2"]
-
-
-@pytest.fixture(scope="module")
-def hf_models():
-    """One random HF fp32 model per architecture (built once; tests must not modify them)."""
-    return {arch: make_hf(arch, seed=i) for i, arch in enumerate(ARCHS)}
-
-
-@pytest.fixture(scope="module")
-def hf_dirs(hf_models, tmp_path_factory):
-    """Each HF model saved with save_pretrained (single model.safetensors, rope_parameters config form)."""
-    dirs = {}
-    for arch, hf in hf_models.items():
-        path = tmp_path_factory.mktemp(f"hf_{arch}")
-        hf.save_pretrained(path)
-        dirs[arch] = path
-    return dirs
-
-
-@pytest.fixture(scope="module")
-def tokens():
-    return random_tokens(2, SEQ_LEN, VOCAB)
-
 
 # --------------------------------------------------------------------------------------------- 1. HF parity
 
@@ -233,144 +148,7 @@ def test_legacy_top_level_rope_form(type_key, hf_models, hf_dirs, tokens, tmp_pa
     assert (our_logits(ours, tokens) - expected).abs().max().item() <= 1e-4
 
 
-# --------------------------------------------------------------------------------------------- 4. refusals
-
-
-def _refusal(config) -> str:
-    with pytest.raises(UnsupportedModelError) as info:
-        ModelArgs.from_hf_config(config)
-    return str(info.value)
-
-
-def test_refuses_other_architecture():
-    config = transformers.MistralConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
-        architectures=["MistralForCausalLM"],
-    ).to_dict()
-    message = _refusal(config)
-    assert "MistralForCausalLM" in message
-    for supported in SUPPORTED_ARCHITECTURES:
-        assert supported in message
-
-
-def test_refuses_sliding_window():
-    config = hf_config("qwen2")
-    config.use_sliding_window = True
-    config.sliding_window = 8
-    config.architectures = ["Qwen2ForCausalLM"]
-    message = _refusal(config.to_dict())
-    assert "use_sliding_window" in message and "full attention" in message
-
-
-@pytest.mark.parametrize("form", ["rope_parameters", "legacy"])
-def test_refuses_unknown_rope_type(form):
-    config = hf_config("qwen3").to_dict()
-    config["architectures"] = ["Qwen3ForCausalLM"]
-    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
-    if form == "rope_parameters":
-        config["rope_parameters"] = {**yarn, "rope_theta": 10000.0}
-    else:
-        config.pop("rope_parameters", None)
-        config["rope_theta"] = 10000.0
-        config["rope_scaling"] = yarn
-    message = _refusal(config)
-    assert "yarn" in message
-    for supported in SUPPORTED_ROPE_TYPES:
-        assert supported in message
-
-
-def test_refusal_happens_before_loading(hf_dirs, tmp_path):
-    config = json.loads((hf_dirs["qwen3"] / "config.json").read_text())
-    config["architectures"] = ["MistralForCausalLM"]
-    (tmp_path / "config.json").write_text(json.dumps(config))  # no weights at all
-    with pytest.raises(UnsupportedModelError, match="MistralForCausalLM"):
-        from_hf(tmp_path)
-
-
-# --------------------------------------------------------------------------------------------- 5. checkpoints
-
-
-@pytest.mark.parametrize("arch", ["qwen3", "llama"])
-def test_sharded_checkpoint(arch, hf_models, tokens, tmp_path):
-    hf = hf_models[arch]
-    hf.save_pretrained(tmp_path, max_shard_size="20KB")
-    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
-    shards = set(index["weight_map"].values())
-    assert len(shards) > 2 and not (tmp_path / "model.safetensors").exists()
-    ours = from_hf(tmp_path, dtype=torch.float32)
-    assert (our_logits(ours, tokens) - hf_logits(hf, tokens)).abs().max().item() <= 1e-4
-
-
-def _copy_checkpoint(src: Path, dst: Path) -> dict[str, torch.Tensor]:
-    (dst / "config.json").write_text((src / "config.json").read_text())
-    return load_file(str(src / "model.safetensors"))
-
-
-def test_missing_tensor(hf_dirs, tmp_path):
-    tensors = _copy_checkpoint(hf_dirs["qwen3"], tmp_path)
-    del tensors["model.layers.1.self_attn.k_norm.weight"]
-    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
-    with pytest.raises(CheckpointError, match=r"model\.layers\.1\.self_attn\.k_norm\.weight"):
-        from_hf(tmp_path, dtype=torch.float32)
-
-
-def test_missing_untied_head(hf_dirs, tmp_path):
-    tensors = _copy_checkpoint(hf_dirs["llama"], tmp_path)
-    del tensors["lm_head.weight"]
-    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
-    with pytest.raises(CheckpointError, match=r"lm_head\.weight"):
-        from_hf(tmp_path, dtype=torch.float32)
-
-
-@pytest.mark.parametrize(
-    "bogus",
-    ["model.layers.0.self_attn.bogus.weight", "model.layers.9.mlp.up_proj.weight", "model.layers.0.self_attn.q_proj.bias"],
-)
-def test_unexpected_tensor(bogus, hf_dirs, tmp_path):
-    # qwen3 has no q_proj bias and two layers: all three names are foreign to it
-    tensors = _copy_checkpoint(hf_dirs["qwen3"], tmp_path)
-    tensors[bogus] = torch.zeros(4, 4)
-    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
-    with pytest.raises(CheckpointError, match=bogus.replace(".", r"\.")):
-        from_hf(tmp_path, dtype=torch.float32)
-
-
-def test_misshaped_tensor(hf_dirs, tmp_path):
-    tensors = _copy_checkpoint(hf_dirs["qwen2"], tmp_path)
-    key = "model.layers.1.mlp.up_proj.weight"
-    tensors[key] = tensors[key].t().contiguous()
-    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
-    with pytest.raises(CheckpointError, match=key.replace(".", r"\.")):
-        from_hf(tmp_path, dtype=torch.float32)
-
-
-def test_missing_folder_or_files(hf_dirs, tmp_path):
-    nowhere = tmp_path / "does-not-exist"
-    with pytest.raises(FileNotFoundError, match="does-not-exist"):
-        from_hf(nowhere)
-
-    no_config = tmp_path / "no-config"
-    no_config.mkdir()
-    (no_config / "model.safetensors").write_bytes((hf_dirs["qwen3"] / "model.safetensors").read_bytes())
-    with pytest.raises(FileNotFoundError, match="no-config"):
-        from_hf(no_config)
-
-    no_weights = tmp_path / "no-weights"
-    no_weights.mkdir()
-    (no_weights / "config.json").write_text((hf_dirs["qwen3"] / "config.json").read_text())
-    with pytest.raises(FileNotFoundError, match="no-weights"):
-        from_hf(no_weights)
-
-
-def test_missing_shard(hf_models, tmp_path):
-    hf_models["qwen3"].save_pretrained(tmp_path, max_shard_size="20KB")
-    shard = sorted(tmp_path.glob("model-*.safetensors"))[1]
-    shard.unlink()
-    with pytest.raises(FileNotFoundError, match=shard.name):
-        from_hf(tmp_path)
-
-
-# --------------------------------------------------------------------------------------------- 6. export
+# --------------------------------------------------------------------------------------------- 4. export
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])  # tied / untied
@@ -426,7 +204,7 @@ def test_to_hf_bf16_native_model(tmp_path, tokens):
     assert torch.equal(exported.model.embed_tokens.weight, ours_state["tok_embeddings.weight"])
 
 
-# --------------------------------------------------------------------------------------------- 7. KV cache (the engine's slots)
+# --------------------------------------------------------------------------------------------- 5. KV cache (the engine's slots)
 
 
 LLAMA3_NATIVE = dict(
@@ -471,7 +249,7 @@ def test_slot_cache_decode_matches_full_forward(arch_overrides):
                 torch.testing.assert_close(logits[b], reference[b][pos[b]], atol=1e-5, rtol=0)
 
 
-# --------------------------------------------------------------------------------------------- 8. bf16 loading
+# --------------------------------------------------------------------------------------------- 6. bf16 loading
 
 
 class DtypeRecorder(TorchDispatchMode):
