@@ -22,7 +22,7 @@ from grpo.train.trainer import Trainer
 from model import Transformer
 from tests.dist_utils import one_thread, run_ranks
 from tests.test_e2e import launch
-from tests.test_trainer import ARGS, build_model, grpo_config, make_batch, optim_config
+from tests.trainer_setup import ARGS, build_model, grpo_config, make_batch, optim_config
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -40,7 +40,7 @@ from tests.dist_utils import one_thread, single_process_group
 from tests.test_checkpoint import _trainer
 from tests.test_e2e import REPO, command, launch, launch_env, metrics
 from tests.test_run_safety import our_traceback
-from tests.test_trainer import ARGS
+from tests.trainer_setup import ARGS
 
 FAST = [
     "--eval.num_prompts=4",

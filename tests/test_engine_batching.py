@@ -16,8 +16,8 @@ from grpo.engine import GenerationRequest, NativeEngine, SamplingParams
 from grpo.engine.cache import slot_bytes
 from model import from_hf
 from tests.dist_utils import one_thread
+from tests.hf_models import ARCHS, make_hf
 from tests.test_engine import ARGS, EOS, make_engine, prompts, ref  # noqa: F401 (ref: a fixture)
-from tests.test_model import ARCHS, make_hf
 
 transformers = pytest.importorskip("transformers")
 

@@ -28,7 +28,7 @@ from model import Transformer
 from tests.batches import hand_made_batch
 from tests.dist_utils import one_thread, run_ranks, single_process_group
 from tests.test_engine import EOS, make_engine, ref  # noqa: F401 (ref: a fixture)
-from tests.test_trainer import ADVANTAGES, COMPLETION_LENS, PROMPT_LENS, V, build_model
+from tests.trainer_setup import ADVANTAGES, COMPLETION_LENS, PROMPT_LENS, V, build_model
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -24,7 +24,7 @@ from model import Transformer
 from model.lora import TARGETS, LoRALinear, LoRASpec, apply_lora
 from model.parallelize import tensor_parallel_layout
 from tests.dist_utils import one_thread, run_ranks, single_process_group
-from tests.test_trainer import ARGS, V, build_model, grpo_config, make_batch, optim_config
+from tests.trainer_setup import ARGS, V, build_model, grpo_config, make_batch, optim_config
 
 SPEC = LoRASpec(rank=4, alpha=8.0, targets=("q", "v", "o", "gate", "down"))
 

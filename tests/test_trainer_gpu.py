@@ -86,7 +86,7 @@ def _packed(lengths: list[int], seed: int):
 def test_shared_prompts_give_the_plain_layouts_logprobs_and_gradients():
     """training.share_prompts on the flash kernel (keys gathered, causal aligned at each sequence's
     end): 3 prompts x 4 completions of mixed lengths, against the plain packing, in bf16."""
-    from tests.test_trainer import _episode_batch
+    from tests.test_packing import _episode_batch
 
     g = torch.Generator().manual_seed(4)
     prompts, completions = [], []
