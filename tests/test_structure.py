@@ -1,8 +1,11 @@
-"""The code's shape: no import circle among tandem's modules, and reading a config loads no torch."""
+"""The code's shape: no import circle among tandem's modules, every import of a name from the
+repository's own modules finds it (deferred ones too, which only run on a GPU or with an optional
+package), and reading a config loads no torch."""
 
 from __future__ import annotations
 
 import ast
+import functools
 import subprocess
 import sys
 from pathlib import Path
@@ -99,6 +102,55 @@ def test_no_import_circle_among_the_projects_modules():
     graph = import_graph()
     assert "grpo.run.loop" in graph and "grpo.config.sections" in graph["grpo.train.loss"]
     assert cycles(graph) == []
+
+
+@functools.cache
+def _defined_names(path: Path) -> set[str]:
+    """The names a module's top level binds: functions, classes, assignments and imports."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(leaf.id for target in targets for leaf in ast.walk(target) if isinstance(leaf, ast.Name))
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((alias.asname or alias.name).split(".")[0] for alias in node.names)
+    return names
+
+
+def unresolved_imports(files: list[Path]) -> list[str]:
+    """`from M import N` lines in files, at any depth, where M is a module of this repository whose
+    file binds no N and has no submodule N: "file:line M.N" each."""
+    missing = []
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.ImportFrom) or node.level or not node.module:
+                continue
+            base = REPO / node.module.replace(".", "/")
+            source = base / "__init__.py" if base.is_dir() else base.with_suffix(".py")
+            if not source.is_file():
+                continue
+            defined = _defined_names(source)
+            for alias in node.names:
+                if alias.name not in defined and not (base / f"{alias.name}.py").is_file() and not (base / alias.name).is_dir():
+                    where = path.relative_to(REPO) if path.is_relative_to(REPO) else path.name
+                    missing.append(f"{where}:{node.lineno} {node.module}.{alias.name}")
+    return missing
+
+
+def test_an_import_of_a_name_its_module_no_longer_has_is_found(tmp_path):
+    planted = tmp_path / "planted.py"
+    planted.write_text("from model import Transformer, lora\n\n\ndef f():\n    from tests.dist_utils import run_ranks, gone\n")
+    assert unresolved_imports([planted]) == ["planted.py:5 tests.dist_utils.gone"]
+
+
+def test_every_import_from_the_repository_finds_its_name():
+    folders = ("grpo", "model", "tests", "bench", "scripts", "fixtures")
+    files = [REPO / f"{name}.py" for name in TOP_MODULES]
+    files += [path for folder in folders for path in sorted((REPO / folder).rglob("*.py"))]
+    assert len(files) > 100
+    assert unresolved_imports(files) == []
 
 
 def test_reading_a_config_imports_no_torch():
