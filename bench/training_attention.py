@@ -3,12 +3,14 @@ against `torch.nn.attention.varlen.varlen_attn`, which runs the same kernels, in
 JSON line per implementation, then one line comparing their results.
 
     python3 bench/training_attention.py [--tokens 16384] [--reps 200] [--lengths 100,600]
-                                        [--impls tandem,varlen_attn,expanded_kv,flex]
+                                        [--impls tandem,varlen_attn,expanded_kv,flex,fa4,cudnn]
 
-`--impls` adds three alternatives: `expanded_kv`, the same aten ops with K/V repeated for every query
+`--impls` adds alternatives: `expanded_kv`, the same aten ops with K/V repeated for every query
 head (aten then has no grouped heads to sum in the backward), `flex`, FlexAttention (compiled)
-with a causal document mask, and `fa4`, FlashAttention 4's varlen kernels as the model calls them with
-`model.train_attention = "fa4"` (model/fa4.py; the `flash-attn-4` package).
+with a causal document mask, `fa4`, FlashAttention 4's varlen kernels as the model calls them with
+`model.train_attention = "fa4"` (model/fa4.py; the `flash-attn-4` package), and `cudnn`, cuDNN's
+fused attention on the packed axis (aten's `_cudnn_attention_forward` with cumulative sequence
+lengths, grouped K/V heads read as they are; its backward is aten's autograd formula).
 
 Qwen3-0.6B attention shape (16 query heads, 8 K/V heads, head_dim 128), bf16, sequences of 100-600
 tokens packed back to back. Per call, three modes: a forward without gradients, a forward that
@@ -101,6 +103,16 @@ def flex_call(layout: SequenceLayout, tokens: int):
                                   enable_gqa=True)[0].transpose(0, 1)
 
 
+def cudnn_call(layout: SequenceLayout):
+    """cuDNN's fused attention over the packed axis: q [N, H, D], k/v [N, Hkv, D] -> [N, H, D]."""
+    cu, n = layout.cu_seqlens, layout.max_len
+
+    def attend(q, k, v):
+        return torch.ops.aten._cudnn_attention_forward(q, k, v, None, cu, cu, n, n, True, 0.0, True)[0]
+
+    return attend
+
+
 def timed(fn, q, k, v, grad, mode: str, reps: int) -> tuple[float, float]:
     """(host µs, wall µs) per call of `mode`: nograd, grad or fwdbwd."""
     with torch.no_grad() if mode == "nograd" else torch.enable_grad():
@@ -151,7 +163,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--reps", type=int, default=200)
     parser.add_argument("--lengths", default="100,600", help="shortest,longest sequence")
-    parser.add_argument("--impls", default="tandem,varlen_attn", help="comma list of tandem, varlen_attn, expanded_kv, flex, fa4")
+    parser.add_argument("--impls", default="tandem,varlen_attn",
+                        help="comma list of tandem, varlen_attn, expanded_kv, flex, fa4, cudnn")
     opts = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/training_attention.py: needs a CUDA device (both implementations run flash attention)")
@@ -169,6 +182,7 @@ def main() -> None:
         "expanded_kv": lambda: lambda q, k, v: _ExpandedKV.apply(q, k, v, layout.cu_seqlens, layout.max_len),
         "flex": lambda: flex_call(layout, opts.tokens),
         "fa4": lambda: lambda q, k, v: fa4.packed_causal(q, k, v, layout.cu_seqlens, layout.max_len),
+        "cudnn": lambda: cudnn_call(layout),
     }
     impls = {name: known[name]() for name in opts.impls.split(",")}
     runs = {}
