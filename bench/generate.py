@@ -34,6 +34,7 @@ run should stay near the equal-length throughput.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import sys
@@ -249,13 +250,20 @@ def parse() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def peak_gb(device: torch.device) -> float | None:
-    return torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
+def reset_peak(device: torch.device) -> int:
+    """Start one configuration's memory peak: free what earlier ones left for the garbage collector
+    (an engine's graphs and K/V cache), then return the bytes still allocated, which `peak_gb` takes off."""
+    if device.type != "cuda":
+        return 0
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    return torch.cuda.memory_allocated(device)
 
 
-def reset_peak(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+def peak_gb(device: torch.device, before: int) -> float | None:
+    """GB this configuration allocated at its peak beyond the `before` bytes it started with."""
+    return (torch.cuda.max_memory_allocated(device) - before) / 1e9 if device.type == "cuda" else None
 
 
 def time_ours(opts: argparse.Namespace, args: ModelArgs, batch: int, vocab: int, device: torch.device,
@@ -263,7 +271,7 @@ def time_ours(opts: argparse.Namespace, args: ModelArgs, batch: int, vocab: int,
     """Our engine on `batch` prompts (and, with --groups, on batch/groups prompts x groups samples):
     emits its line; returns its tok/s and the roofline's."""
     reqs = [GenerationRequest(p, 0, i, 0) for i, p in enumerate(prompts(batch, vocab))]
-    reset_peak(device)
+    before = reset_peak(device)
     engine = build_engine(args, device, batch, PROMPT + NEW, sync_every=opts.sync_every)
     if opts.profile:
         profile(engine, reqs, device)
@@ -273,28 +281,26 @@ def time_ours(opts: argparse.Namespace, args: ModelArgs, batch: int, vocab: int,
     ours = output_tokens(out) / seconds
     roof = roofline(args, batch, PROMPT + NEW / 2, opts.bandwidth)
     record = dict(base, bench="generate", batch=batch, engine="tandem", tok_s=round(ours), roofline_tok_s=round(roof),
-                  roofline_fraction=round(ours / roof, 3), peak_gb=peak_gb(device))
+                  roofline_fraction=round(ours / roof, 3), peak_gb=peak_gb(device, before))
     if opts.groups > 1 and batch % opts.groups == 0:
         grouped = [GenerationRequest(p, 0, i, s) for i, p in enumerate(prompts(batch // opts.groups, vocab))
                    for s in range(opts.groups)]
         g_seconds, g_out = time_engine(engine, grouped, device, opts.reps)
         record[f"tok_s_{batch // opts.groups}x{opts.groups}_shared_prefill"] = round(output_tokens(g_out) / g_seconds)
     emit(record)
+    engine.close()
     return ours, roof
 
 
 def time_baseline(name: str, opts: argparse.Namespace, args: ModelArgs, batch: int, vocab: int, device: torch.device,
                   base: dict, ours: float, roof: float) -> None:
     """HF `generate` (`name`: hf, or hf_static with a static cache and compile) on the same prompts."""
+    before = reset_peak(device)
     model = hf_model(args, device, static=name == "hf_static")
-    reset_peak(device)
     hf_seconds = time_hf(model, prompts(batch, vocab), device, name == "hf_static", max(1, opts.reps - 1))
     hf = batch * NEW / hf_seconds
     emit(dict(base, bench="generate", batch=batch, engine=name, tok_s=round(hf), roofline_fraction=round(hf / roof, 3),
-              tandem_over_this=round(ours / hf, 2), peak_gb=peak_gb(device)))
-    del model
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+              tandem_over_this=round(ours / hf, 2), peak_gb=peak_gb(device, before)))
 
 
 def time_long_tail(opts: argparse.Namespace, args: ModelArgs, vocab: int, device: torch.device, base: dict) -> None:
