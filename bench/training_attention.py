@@ -10,7 +10,9 @@ head (aten then has no grouped heads to sum in the backward), `flex`, FlexAttent
 with a causal document mask, `fa4`, FlashAttention 4's varlen kernels as the model calls them with
 `model.train_attention = "fa4"` (model/fa4.py; the `flash-attn-4` package), and `cudnn`, cuDNN's
 fused attention on the packed axis (aten's `_cudnn_attention_forward` with cumulative sequence
-lengths, grouped K/V heads read as they are; its backward is aten's autograd formula).
+lengths, grouped K/V heads read as they are; its backward is aten's autograd formula). On torch
+2.11 that path built a cuDNN graph at every call and its gradients were wrong (bench/RESULTS.md): the
+comparison lines say whether a later torch mends it.
 
 Qwen3-0.6B attention shape (16 query heads, 8 K/V heads, head_dim 128), bf16, sequences of 100-600
 tokens packed back to back. Per call, three modes: a forward without gradients, a forward that
