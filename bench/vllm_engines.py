@@ -31,6 +31,7 @@ import gzip
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -215,6 +216,13 @@ def run_vllm(args: ModelArgs, batches: list[int], reps: int, profile_dir: str | 
 RUNNERS = {"native": run_native, "tandem_vllm": run_tandem_vllm, "vllm": run_vllm}
 
 
+def first_exception(stderr: str) -> str:
+    """The first exception line of a child's stderr: in a chain of tracebacks the first is the cause
+    (a missing package surfaces as a later import error of something else)."""
+    found = re.search(r"^(\w+\.)*\w*(Error|Exception): .*$", stderr, flags=re.MULTILINE)
+    return found.group(0)[:300] if found else "no exception line in its stderr"
+
+
 def child(opts) -> None:
     args = model_args(opts.shape)
     folder = os.path.join(os.path.abspath(opts.profile), f"{opts.shape}-{opts.engine}") if opts.profile else None
@@ -260,7 +268,8 @@ def main() -> None:
             records = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
             if proc.returncode != 0:
                 print(proc.stderr[-4000:], file=sys.stderr)
-                print(json.dumps(dict(base, shape=shape, engine=engine, error=f"exit {proc.returncode}")), flush=True)
+                error = f"exit {proc.returncode}: {first_exception(proc.stderr)}"
+                print(json.dumps(dict(base, shape=shape, engine=engine, error=error)), flush=True)
             for record in records:
                 record = dict(base, shape=shape, **record, process_s=round(time.perf_counter() - start, 1))
                 if "batch" in record:
