@@ -320,6 +320,7 @@ def time_long_tail(opts: argparse.Namespace, args: ModelArgs, vocab: int, device
               budget_mean=mean_budget, budget_max=max(budgets),
               long_tail_tok_s=round(runs["long_tail"]), equal_length_tok_s=round(runs["equal_length"]),
               ratio=round(runs["long_tail"] / runs["equal_length"], 3)))
+    engine.close()
 
 
 def main() -> None:
