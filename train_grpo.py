@@ -112,6 +112,16 @@ def init_distributed(cfg: Config) -> torch.device:
     return device
 
 
+def reward_pool_size(cfg: Config, split: bool) -> int:
+    """rewards.num_workers, or for -1 the automatic size: a smaller pool where this rank's engine
+    generates while the pool scores (scoring during generation, colocated ranks on the async
+    schedule), so that the engine's host work keeps its cores."""
+    if cfg.rewards.num_workers != -1:
+        return cfg.rewards.num_workers
+    engine_beside = cfg.rewards.overlap or (not split and cfg.training.schedule == "async")
+    return auto_pool_size(engine_beside=engine_beside)
+
+
 def run(cfg: Config, stop: GracefulStop) -> None:
     """One rank's job; `stop` records a SIGTERM / SIGINT for the loop to act on at a step boundary."""
     device = init_distributed(cfg)
@@ -143,7 +153,7 @@ def run(cfg: Config, stop: GracefulStop) -> None:
             scorer = None
             if roles.is_trainer:
                 r = cfg.rewards
-                workers = auto_pool_size() if r.num_workers == -1 else r.num_workers
+                workers = reward_pool_size(cfg, roles.split)
                 if r.num_workers == -1 and is_leader:
                     print(f"rewards: {workers} reward worker(s) per scoring rank (rewards.num_workers = -1)", flush=True)
                 scorer = Scorer(r.functions, r.weights, r.timeout_s, workers, on_error=r.on_error)

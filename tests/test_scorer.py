@@ -9,6 +9,7 @@ import time
 import pytest
 import torch
 
+from grpo.distributed import host
 from grpo.scoring.calls import load_reward
 from grpo.scoring.pool import auto_pool_size
 from grpo.scoring.scorer import Scorer
@@ -219,21 +220,48 @@ def test_bad_spec_fails_at_construction(spec, message):
 @pytest.mark.parametrize(
     "cores, local_ranks, expected",
     [
-        (2, 1, 1),  # a 2-core machine: one worker, as before the automatic size
+        (2, 1, 1),  # a 2-core machine: one worker, the rank's dispatch on the other core
         (1, 4, 1),  # fewer cores than ranks: still one
-        (16, 1, 8),  # one GPU's host: half of 16 cores
-        (16, 4, 2),  # 4 ranks share 16 cores: 4 each, half of them
-        (128, 8, 8),  # 16 cores per rank, capped at 8
-        (256, 2, 8),
+        (16, 1, 15),  # one GPU's host: every core but the rank's own
+        (16, 4, 3),  # 4 ranks share 16 cores: 4 each, one of them the rank's
+        (128, 8, 15),
+        (256, 2, 16),  # capped
     ],
 )
-def test_the_automatic_pool_size_is_half_a_ranks_share_of_the_cores(cores, local_ranks, expected):
+def test_a_rank_that_waits_for_its_pool_leaves_it_its_share_of_the_cores_but_one(cores, local_ranks, expected):
     assert auto_pool_size(cores, local_ranks) == expected
+
+
+@pytest.mark.parametrize(
+    "cores, local_ranks, expected",
+    [(2, 1, 1), (1, 4, 1), (16, 1, 8), (16, 4, 2), (128, 8, 8), (256, 2, 8)],
+)
+def test_an_engine_beside_the_pool_keeps_half_of_the_share(cores, local_ranks, expected):
+    assert auto_pool_size(cores, local_ranks, engine_beside=True) == expected
+
+
+@pytest.mark.parametrize(
+    "overrides, split, expected",
+    [
+        ([], False, 15),  # colocated, sync: the rank waits while its pool scores
+        (["--training.schedule=async"], False, 8),  # its engine generates meanwhile
+        (["--rewards.overlap=true"], False, 8),
+        (["--training.schedule=async"], True, 15),  # split roles: a trainer rank has no engine
+        (["--rewards.num_workers=3"], False, 3),
+    ],
+)
+def test_the_run_sizes_its_pool_by_what_the_rank_does_while_it_scores(overrides, split, expected, monkeypatch):
+    import train_grpo
+    from grpo.config import load_config
+
+    monkeypatch.setattr(host, "usable_cores", lambda: list(range(16)))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert train_grpo.reward_pool_size(load_config(overrides, world_size=2), split) == expected
 
 
 def test_the_automatic_pool_size_reads_the_cores_and_torchruns_local_ranks(monkeypatch):
     cores = len(os.sched_getaffinity(0))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
-    assert auto_pool_size() == max(1, min(8, cores // 2))
+    assert auto_pool_size() == max(1, min(16, cores - 1))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(cores + 1))
     assert auto_pool_size() == 1

@@ -213,7 +213,8 @@ class RewardsConfig:
     weights: list[float] = field(default_factory=lambda: [1.0])
     # per call; a reward call past this stops the run with an error naming the function
     timeout_s: float = 10.0
-    # reward processes per scoring rank; 0: in process, no timeout; -1: half this rank's share of the host's cores, 1 to 8
+    # reward processes per scoring rank; 0: in process, no timeout; -1: this rank's share of the host's cores but one, 1 to 16
+    # (half, 1 to 8, where the rank's engine generates while it scores: rewards.overlap, colocated async)
     num_workers: int = -1
     # a reward call that raises, hangs or returns a non-number: "stop" the run | "zero" (score 0, warn, go on)
     on_error: OnRewardError = "stop"

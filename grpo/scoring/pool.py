@@ -32,19 +32,28 @@ _READY = "ready"
 START_TIMEOUT_S = 300.0  # a worker's start-up: spawn, imports, the reward module, its `prepare`
 
 
-MAX_AUTO_WORKERS = 8  # math_accuracy's 512 episodes: 520 ms with 1 worker, 91 ms with 8 (bench/RESULTS.md)
+# math_accuracy's 512 episodes on a 16-core host: 520 ms with 1 worker, 91 ms with 8, 47 ms with 12
+# (bench/RESULTS.md).
+MAX_AUTO_WORKERS_BESIDE_ENGINE = 8
+MAX_AUTO_WORKERS = 16
 
 
-def auto_pool_size(cores: int | None = None, local_ranks: int | None = None) -> int:
-    """The reward pool size `rewards.num_workers = -1` stands for: half of this rank's share of
-    the host's cores (the rank's own process and the engine's host work keep the other half),
-    1 to MAX_AUTO_WORKERS. By default the cores this process may run on and torchrun's
-    LOCAL_WORLD_SIZE."""
+def auto_pool_size(cores: int | None = None, local_ranks: int | None = None, engine_beside: bool = False) -> int:
+    """The reward pool size `rewards.num_workers = -1` stands for, from this rank's share of the
+    host's cores (by default the cores this process may run on over torchrun's LOCAL_WORLD_SIZE).
+
+    A rank that only waits while its pool scores leaves the pool all of its share but one core (its
+    own dispatching thread): 1 to MAX_AUTO_WORKERS. Where this rank's engine generates while the
+    pool scores (`engine_beside`: scoring during generation, or colocated ranks on the async
+    schedule), the engine's host work keeps half: 1 to MAX_AUTO_WORKERS_BESIDE_ENGINE."""
     if cores is None:
         cores = len(host.usable_cores())
     if local_ranks is None:
         local_ranks = host.local_ranks()[1]
-    return max(1, min(MAX_AUTO_WORKERS, cores // max(local_ranks, 1) // 2))
+    share = cores // max(local_ranks, 1)
+    if engine_beside:
+        return max(1, min(MAX_AUTO_WORKERS_BESIDE_ENGINE, share // 2))
+    return max(1, min(MAX_AUTO_WORKERS, share - 1))
 
 
 class PoolError(TandemError, RuntimeError):
