@@ -230,6 +230,19 @@ def child(opts) -> None:
         print("RESULT " + json.dumps(record), flush=True)
 
 
+def base_record() -> dict:
+    """What every JSON line of this run repeats: the bench, device, versions (vLLM's where it imports) and workload."""
+    base = dict(bench="vllm_engines", device=torch.cuda.get_device_name(), torch=torch.__version__, commit=commit(),
+                prompt=PROMPT, new_tokens=NEW)
+    try:
+        import vllm
+
+        base["vllm"] = vllm.__version__
+    except ImportError:
+        pass
+    return base
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shapes", default="0.6b,8b")
@@ -246,14 +259,7 @@ def main() -> None:
     opts = parser.parse_args()
     if opts.child:
         return child(opts)
-    base = dict(bench="vllm_engines", device=torch.cuda.get_device_name(), torch=torch.__version__, commit=commit(),
-                prompt=PROMPT, new_tokens=NEW)
-    try:
-        import vllm
-
-        base["vllm"] = vllm.__version__
-    except ImportError:
-        pass
+    base = base_record()
     for shape in opts.shapes.split(","):
         results: dict[tuple, int] = {}
         for engine in opts.engines.split(","):
