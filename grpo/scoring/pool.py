@@ -32,8 +32,8 @@ _READY = "ready"
 START_TIMEOUT_S = 300.0  # a worker's start-up: spawn, imports, the reward module, its `prepare`
 
 
-# math_accuracy's 512 episodes on a 16-core host: 520 ms with 1 worker, 91 ms with 8, 47 ms with 12
-# (bench/RESULTS.md).
+# math_accuracy's 512 episodes on 16-core GPU hosts: 520 ms with 1 worker and 91 ms with 8 on an
+# H200's; 85 ms with 8 and 49 ms with 15 on an H100's (bench/RESULTS.md).
 MAX_AUTO_WORKERS_BESIDE_ENGINE = 8
 MAX_AUTO_WORKERS = 16
 
