@@ -7,8 +7,10 @@ realistic step (bench/rl_step.py) spends after generation with `rewards.overlap 
 bench/packing.py's hand-made batch of 64 prompts x 8 episodes (completions of 60-256 tokens), its
 tokens drawn at random from the fixture's 600-token BPE (fixtures/hf.py), as a random-weight model
 samples them, and the fixture's GSM8K answers. `decode_ms` is `score_inputs` (the completions' text,
-one episode at a time), `score_ms` the `Scorer.score` call that follows, median of --reps after one
-warm-up call; `vs_first` is score_ms over the first pool size's, in this run. Random text often
+in one `decode_batch` call), `score_ms` the `Scorer.score` call that follows, median of --reps after one
+warm-up call; `decode_one_by_one_ms` the same texts by one `decode` call per episode, as before
+`Tokenizer.decode_batch` (the same run, the same result asserted); `vs_first` is score_ms over the
+first pool size's, in this run. Random text often
 holds a "####" whose line math_accuracy then hands to math_verify, so these episodes cost more to
 score than a trained model's.
 """
@@ -52,11 +54,17 @@ def main() -> None:
                   metadata={})
         for i in range(opts.prompts)
     }
-    decode_times = []
+    one_by_one = lambda id_lists: [tokenizer.decode(ids) for ids in id_lists]  # noqa: E731
+    decode_times, one_by_one_times = [], []
     for _ in range(opts.reps):
         start = time.perf_counter()
-        inputs = score_inputs(batch, prompts, tokenizer.decode)
+        inputs = score_inputs(batch, prompts, tokenizer.decode_batch)
         decode_times.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        assert score_inputs(batch, prompts, one_by_one) == inputs
+        one_by_one_times.append(time.perf_counter() - start)
+    decode_ms = round(statistics.median(decode_times) * 1e3, 1)
+    one_by_one_ms = round(statistics.median(one_by_one_times) * 1e3, 1)
     first_ms = None
     for workers in (int(w) for w in opts.workers.split(",")):
         scorer = Scorer([opts.function], [1.0], timeout_s=120.0, num_workers=workers)
@@ -72,7 +80,8 @@ def main() -> None:
         score_ms = statistics.median(times) * 1e3
         first_ms = first_ms or score_ms
         print(json.dumps(dict(bench="scoring", function=opts.function, episodes=len(batch), num_workers=workers,
-                              decode_ms=round(statistics.median(decode_times) * 1e3, 1), score_ms=round(score_ms, 1),
+                              decode_ms=decode_ms, decode_one_by_one_ms=one_by_one_ms,
+                              decode_in_rust=tokenizer.batch_in_rust, score_ms=round(score_ms, 1),
                               vs_first=round(score_ms / first_ms, 2), reward_mean=round(float(scored.total.mean()), 3))),
               flush=True)
 

@@ -21,6 +21,10 @@ def decode(ids: list[int]) -> str:
     return "".join(DIGITS[i % 10] if i < 100 else "bad" for i in ids)
 
 
+def decode_batch(id_lists: list[list[int]]) -> list[str]:
+    return [decode(ids) for ids in id_lists]
+
+
 def batch(group_size: int = 4, prompts: int = 6, seed: int = 0) -> tuple[dict[int, Prompt], list[Completion]]:
     """Digit-reversal prompts and random completions, group by group (one bad completion: id 100)."""
     rng = random.Random(seed)
@@ -56,8 +60,8 @@ def test_rewards_and_sums_equal_scoring_the_whole_batch(seed):
     functions, weights = ["digit_match", f"{FIXTURES}:from_metadata"], [1.0, -0.25]
     with Scorer(functions, weights, timeout_s=30, num_workers=2) as scorer:
         whole = episodes_from_completions(completions, pad_id=0)
-        want_sums = score_episodes(scorer, whole, prompts, decode)
-        stream = ScoringStream(scorer, prompts, decode, {}, pad_id=0)
+        want_sums = score_episodes(scorer, whole, prompts, decode_batch)
+        stream = ScoringStream(scorer, prompts, decode_batch, {}, pad_id=0)
         for piece in pieces(completions, seed):
             stream.add(piece)
         episodes = episodes_from_completions(completions, pad_id=0)
@@ -72,7 +76,7 @@ def test_rewards_and_sums_equal_scoring_the_whole_batch(seed):
 def test_a_failing_reward_is_handed_back_not_raised():
     prompts, completions = batch()
     with Scorer([f"{FIXTURES}:boom"], [1.0], timeout_s=30, num_workers=1) as scorer:
-        stream = ScoringStream(scorer, prompts, decode, {}, pad_id=0)
+        stream = ScoringStream(scorer, prompts, decode_batch, {}, pad_id=0)
         for piece in pieces(completions, 3):
             stream.add(piece)
         sums, failure = stream.finish(episodes_from_completions(completions, pad_id=0))
@@ -85,7 +89,7 @@ def test_a_failing_reward_is_handed_back_not_raised():
 def test_zeroed_episodes_are_reported_once_for_the_whole_batch(capsys):
     prompts, completions = batch()
     with Scorer([f"{FIXTURES}:boom"], [1.0], timeout_s=30, num_workers=1, on_error="zero") as scorer:
-        stream = ScoringStream(scorer, prompts, decode, {}, pad_id=0)
+        stream = ScoringStream(scorer, prompts, decode_batch, {}, pad_id=0)
         for piece in pieces(completions, 4):
             stream.add(piece)
         episodes = episodes_from_completions(completions, pad_id=0)
@@ -99,7 +103,7 @@ def test_zeroed_episodes_are_reported_once_for_the_whole_batch(capsys):
 def test_an_episode_the_engine_never_reported_is_an_error():
     prompts, completions = batch()
     with Scorer(["digit_match"], [1.0], timeout_s=30, num_workers=1) as scorer:
-        stream = ScoringStream(scorer, prompts, decode, {}, pad_id=0)
+        stream = ScoringStream(scorer, prompts, decode_batch, {}, pad_id=0)
         stream.add(completions[1:])
         expected = r"23 completions were scored for 24 episodes; unscored \(prompt, sample\): \[\(0, 0\)\]"
         with pytest.raises(RuntimeError, match=expected):
@@ -109,7 +113,7 @@ def test_an_episode_the_engine_never_reported_is_an_error():
 def test_close_stops_without_scoring_what_is_left():
     prompts, completions = batch()
     with Scorer(["digit_match"], [1.0], timeout_s=30, num_workers=1) as scorer:
-        stream = ScoringStream(scorer, prompts, decode, {}, pad_id=0)
+        stream = ScoringStream(scorer, prompts, decode_batch, {}, pad_id=0)
         stream.close()
         stream.add(completions)
         assert not stream._thread.is_alive() and stream._scored == 0
@@ -119,7 +123,7 @@ def test_the_gil_switches_often_while_a_stream_lives_and_as_before_after():
     prompts, completions = batch()
     before = sys.getswitchinterval()
     with Scorer(["digit_match"], [1.0], timeout_s=30, num_workers=1) as scorer:
-        stream = ScoringStream(scorer, prompts, decode, {}, pad_id=0)
+        stream = ScoringStream(scorer, prompts, decode_batch, {}, pad_id=0)
         assert sys.getswitchinterval() == pytest.approx(STREAM_SWITCH_INTERVAL_S, rel=0.05) and STREAM_SWITCH_INTERVAL_S < before
         stream.add(completions)
         stream.finish(episodes_from_completions(completions, pad_id=0))

@@ -112,7 +112,7 @@ def test_a_tool_conversation_is_token_exact_and_its_last_turn_is_scored(tokenize
     assert stats.turns == [2, 2] and batch.model_turns.tolist() == [2, 2] and not batch.truncated.any()
     assert batch.tool_calls.tolist() == [1, 1] and batch.tool_errors.tolist() == [0, 0]
     scorer = Scorer(["tests.test_tools:final_turn_is_the_answer"], [1.0], timeout_s=10.0, num_workers=0)
-    score_episodes(scorer, batch, {0: prompt}, tokenizer.decode)
+    score_episodes(scorer, batch, {0: prompt}, tokenizer.decode_batch)
     assert torch.equal(batch.rewards, torch.ones(2))
 
 

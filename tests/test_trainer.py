@@ -268,6 +268,15 @@ def test_select_trims_to_longest_sequence():
     assert picked.completion(2) == batch.completion(2)
 
 
+def test_completions_are_each_episodes_tokens_after_its_prompt():
+    batch = make_batch()
+    want = [(p, c) for p, group in zip(PROMPT_LENS, COMPLETION_LENS) for c in group]
+    got = batch.completions()
+    assert [len(ids) for ids in got] == [c for _, c in want]
+    for i, (ids, (p, c)) in enumerate(zip(got, want)):
+        assert ids == batch.tokens[i, p : p + c].tolist() == batch.completion(i)
+
+
 # ------------------------------------------------------------------------------------------ LR schedule
 
 

@@ -41,6 +41,9 @@ class CharTokenizer:
         """Text of the ids, EOS dropped."""
         return "".join(self.alphabet[i - 1] for i in ids if i != self.eos_id)
 
+    def decode_batch(self, id_lists: list[list[int]]) -> list[str]:
+        return [self.decode(ids) for ids in id_lists]
+
 
 class DigitTask:
     """Built-in verifiable tasks on random digit strings: `copy_digits` answers the digits,

@@ -34,6 +34,8 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: list[int]) -> str: ...
 
+    def decode_batch(self, id_lists: list[list[int]]) -> list[str]: ...
+
 
 class PromptSource(Protocol):
     """The prompts of a run: those of each RL step, and a held-out set that is never trained on.

@@ -8,6 +8,7 @@ process boundaries as plain tensors.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, fields
 
 import torch
@@ -110,6 +111,14 @@ class EpisodeBatch:
     def completion(self, i: int) -> list[int]:
         start = int(self.prompt_lens[i])
         return self.tokens[i, start : start + int(self.completion_lens[i])].tolist()
+
+    def completions(self) -> list[list[int]]:
+        """Every episode's `completion`, from one read of the completion tokens (not of the prompts
+        and padding around them: each token read costs a Python int)."""
+        lens = self.completion_lens.tolist()
+        flat = self.tokens[completion_mask(self.prompt_lens, self.completion_lens, self.tokens.shape[1])].tolist()
+        ends = list(itertools.accumulate(lens))
+        return [flat[end - n : end] for end, n in zip(ends, lens)]
 
     def to(self, device: torch.device | str) -> EpisodeBatch:
         return EpisodeBatch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})

@@ -344,7 +344,8 @@ class Run:
             return {}, None
         try:
             prompts_by_index = {p.index: p for p in prompts}
-            return score_episodes(self.scorer, episodes, prompts_by_index, self.tokenizer.decode, self.score_defaults()), None
+            decode = self.tokenizer.decode_batch
+            return score_episodes(self.scorer, episodes, prompts_by_index, decode, self.score_defaults()), None
         except RewardError as error:
             return {}, error
 

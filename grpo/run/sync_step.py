@@ -111,7 +111,7 @@ def _scoring_stream(run: Run, prompts: list[Prompt]) -> ScoringStream | None:
     multi-turn episodes, reward calls inside this process (num_workers = 0)."""
     if not run.cfg.rewards.overlap or run.roles.split or run.env is not None or not run.scorer.num_workers:
         return None
-    return ScoringStream(run.scorer, {p.index: p for p in prompts}, run.tokenizer.decode, run.score_defaults(),
+    return ScoringStream(run.scorer, {p.index: p for p in prompts}, run.tokenizer.decode_batch, run.score_defaults(),
                          run.tokenizer.pad_id)
 
 

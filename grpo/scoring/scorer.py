@@ -221,34 +221,39 @@ def score_episodes(
     scorer: Scorer,
     episodes: EpisodeBatch,
     prompts: dict[int, Prompt],
-    decode: Callable[[list[int]], str],
+    decode_batch: Callable[[list[list[int]]], list[str]],
     defaults: dict | None = None,
 ) -> dict[str, float]:
     """Fill episodes.rewards; returns each reward function's sum over these episodes (what each
     call sees: score_inputs)."""
-    scored = scorer.score(*score_inputs(episodes, prompts, decode, defaults))
+    scored = scorer.score(*score_inputs(episodes, prompts, decode_batch, defaults))
     episodes.rewards = scored.total
     return {name: float(values.sum()) for name, values in scored.per_function.items()}
 
 
 def score_inputs(
-    episodes: EpisodeBatch, prompts: dict[int, Prompt], decode: Callable[[list[int]], str], defaults: dict | None = None
+    episodes: EpisodeBatch,
+    prompts: dict[int, Prompt],
+    decode_batch: Callable[[list[list[int]]], list[str]],
+    defaults: dict | None = None,
 ) -> tuple[list[str], list[str], list[str], list[dict]]:
     """What the reward functions see of each episode: (prompt texts, completion texts, answers, metadata).
 
+    decode_batch: the text of each of a list of token id lists (Tokenizer.decode_batch), called once.
     defaults: metadata every reward call sees unless the prompt's own metadata overrides it
     (e.g. "format_pattern" for format_reward). Each call's metadata also holds "env_reward": the
     reward the episode's environment gave, None where it gave none (rewards.env_reward reads it).
     A multi-turn episode's completion is its last model turn (its final answer); its metadata's
     "conversation" holds everything after the prompt, environment turns included."""
-    owners = [prompts[int(i)] for i in episodes.prompt_index]
+    owners = [prompts[i] for i in episodes.prompt_index.tolist()]
     heard = [None if math.isnan(r) else r for r in episodes.env_rewards.tolist()]
     metadata = [{**(defaults or {}), **p.metadata, "env_reward": r} for p, r in zip(owners, heard)]
-    texts = []
-    for i, turns in enumerate(episodes.model_turns.tolist()):
-        if turns <= 1:  # an episode ends with a model turn: one turn is the whole completion
-            texts.append(decode(episodes.completion(i)))
-            continue
-        texts.append(decode([ids for sampled, ids in episodes.turns(i) if sampled][-1]))
-        metadata[i]["conversation"] = decode(episodes.completion(i))
-    return [p.text for p in owners], texts, [p.answer for p in owners], metadata
+    completions = episodes.completions()
+    # An episode ends with a model turn: one turn is the whole completion.
+    multi_turn = [i for i, turns in enumerate(episodes.model_turns.tolist()) if turns > 1]
+    last_turns = [[ids for sampled, ids in episodes.turns(i) if sampled][-1] for i in multi_turn]
+    texts = decode_batch(completions + last_turns)
+    for i, last_turn in zip(multi_turn, texts[len(completions):]):
+        metadata[i]["conversation"] = texts[i]
+        texts[i] = last_turn
+    return [p.text for p in owners], texts[: len(completions)], [p.answer for p in owners], metadata

@@ -38,12 +38,13 @@ class ScoringStream:
     over. One stream serves one generate call."""
 
     def __init__(
-        self, scorer: Scorer, prompts: dict[int, Prompt], decode: Callable[[list[int]], str], defaults: dict,
-        pad_id: int,
+        self, scorer: Scorer, prompts: dict[int, Prompt], decode_batch: Callable[[list[list[int]]], list[str]],
+        defaults: dict, pad_id: int,
     ):
-        """prompts: every prompt the completions may belong to, by index; decode and defaults as
+        """prompts: every prompt the completions may belong to, by index; decode_batch and defaults as
         score_inputs takes them; pad_id lays each call's episodes out (EpisodeBatch)."""
-        self.scorer, self.prompts, self.decode, self.defaults, self.pad_id = scorer, prompts, decode, defaults, pad_id
+        self.scorer, self.prompts, self.defaults, self.pad_id = scorer, prompts, defaults, pad_id
+        self.decode_batch = decode_batch
         self._queue: queue.SimpleQueue[list[Completion] | None] = queue.SimpleQueue()
         self._rewards: dict[tuple[int, int], float] = {}  # (prompt index, sample index) -> reward
         self._sums: dict[str, float] = {}
@@ -115,7 +116,7 @@ class ScoringStream:
     def _score(self, completions: list[Completion]) -> None:
         episodes = episodes_from_completions(completions, self.pad_id)
         try:
-            scored = self.scorer.score(*score_inputs(episodes, self.prompts, self.decode, self.defaults), warn=False)
+            scored = self.scorer.score(*score_inputs(episodes, self.prompts, self.decode_batch, self.defaults), warn=False)
         except RewardError as error:
             raise RewardError(
                 f"{error} (episode numbers count the {len(completions)} episodes scored together while generation ran; "
