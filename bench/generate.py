@@ -245,7 +245,6 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--bandwidth", type=float, default=4.3e12)
     parser.add_argument("--quick", action="store_true", help="tiny shape, small vocab: a CPU smoke test")
     parser.add_argument("--sync-every", type=int, default=8, help="the engine's generation.sync_every")
-    parser.add_argument("--split-rows", type=int, default=0, help="the engine's generation.decode_split_rows")
     parser.add_argument("--profile", action="store_true", help="print one decode step's kernels (prefill taken out)")
     parser.add_argument("--gaps", action="store_true", help="print where one call leaves the device idle")
     return parser.parse_args()
@@ -273,7 +272,7 @@ def time_ours(opts: argparse.Namespace, args: ModelArgs, batch: int, vocab: int,
     emits its line; returns its tok/s and the roofline's."""
     reqs = [GenerationRequest(p, 0, i, 0) for i, p in enumerate(prompts(batch, vocab))]
     before = reset_peak(device)
-    engine = build_engine(args, device, batch, PROMPT + NEW, sync_every=opts.sync_every, split_rows=opts.split_rows)
+    engine = build_engine(args, device, batch, PROMPT + NEW, sync_every=opts.sync_every)
     if opts.profile:
         profile(engine, reqs, device)
     if opts.gaps:
@@ -309,8 +308,7 @@ def time_long_tail(opts: argparse.Namespace, args: ModelArgs, vocab: int, device
     budgets = long_tail_budgets(64 if opts.quick else 2048)
     mean_budget = round(sum(budgets) / len(budgets))
     batch = 16 if opts.quick else 256
-    engine = build_engine(args, device, batch, PROMPT + max(budgets), sync_every=opts.sync_every,
-                          split_rows=opts.split_rows)
+    engine = build_engine(args, device, batch, PROMPT + max(budgets), sync_every=opts.sync_every)
     runs = {}
     for name, per_request in (("long_tail", budgets), ("equal_length", [mean_budget] * len(budgets))):
         plist = prompts(len(per_request), vocab, seed=1)
@@ -335,7 +333,7 @@ def main() -> None:
     vocab = 512 if opts.quick else VOCAB
     shapes = ["tiny"] if opts.quick else opts.shapes.split(",")
     base = dict(device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                torch=torch.__version__, commit=commit(), prompt=PROMPT, new_tokens=NEW, split_rows=opts.split_rows)
+                torch=torch.__version__, commit=commit(), prompt=PROMPT, new_tokens=NEW)
     for shape in shapes:
         args = model_args(shape, vocab)
         for batch in [int(b) for b in opts.batches.split(",")]:

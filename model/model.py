@@ -328,10 +328,7 @@ class Transformer(nn.Module):
         logits_index [M] picks the tokens whose logits are wanted -> [M, V].
         """
         h = self.decode_hidden(tokens, positions, attend)
-        return self.decode_logits(h if logits_index is None else h[logits_index])
-
-    def decode_logits(self, h: torch.Tensor) -> torch.Tensor:
-        """The output head of `decode`: normalised hidden states [N, dim] -> logits [N, V]."""
+        h = h if logits_index is None else h[logits_index]
         return tokenwise(lambda x: head_logits(x, self.output_weight), h, lead=1)
 
     def decode_hidden(

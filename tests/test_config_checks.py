@@ -69,7 +69,6 @@ def test_weights_functions_length_mismatch():
         ("--generation.top_p=1.5", "generation.top_p"),
         ("--generation.top_k=-1", "generation.top_k"),
         ("--generation.max_new_tokens=0", "generation.max_new_tokens"),
-        ("--generation.decode_split_rows=1", "generation.decode_split_rows"),
         ("--data.digits_min=0", "data.digits_min"),
         ("--data.digits_min=6", "data.digits_min"),
         ("--rewards.functions=[]", "rewards.functions"),
@@ -254,13 +253,6 @@ def test_bitwise_logprobs_refusals_name_the_key_and_the_reason(monkeypatch):
     message = error("--job.bitwise_logprobs=true", "--job.device=cpu", "--training.share_prompts=on")
     assert 'training.share_prompts = "on" does not apply with job.bitwise_logprobs = true' in message
     assert load("--job.bitwise_logprobs=true", "--job.device=cpu").training.share_prompts == "auto"
-
-
-def test_decode_in_halves_is_refused_under_tensor_parallelism():
-    message = error("--generation.decode_split_rows=256", "--parallelism.generator_ranks=2",
-                    "--parallelism.generator_tp=2", world_size=3)
-    assert message.startswith("generation.decode_split_rows = 256 needs parallelism.generator_tp = 1"), message
-    assert load("--generation.decode_split_rows=256", "--parallelism.generator_ranks=2", world_size=3)
 
 
 def test_share_prompts_auto_is_on_only_with_the_flash_kernel_in_bf16_on_cuda():

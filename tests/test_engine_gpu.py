@@ -12,7 +12,6 @@ import torch
 import torch.nn.functional as F
 
 from grpo.engine import GenerationRequest, NativeEngine, SamplingParams
-from grpo.engine.decode import DecodeStep
 from grpo.run.background import BackgroundGeneration
 from model import ModelArgs, Transformer
 from model.attention import slot_decode, suffix_prefill, varlen_prefill
@@ -144,25 +143,6 @@ def test_cuda_graph_replay_equals_eager_steps():
     again = graphed_engine.generate(reqs[:5])
     assert [c.tokens for c in again] == [c.tokens for c in eager[:5]]
     assert len(graphed_engine.decoder.graphs) >= 2
-
-
-@pytest.mark.parametrize("cuda_graphs", [True, False])
-def test_decode_in_two_halves_on_two_streams_equals_one_batch(cuda_graphs, monkeypatch):
-    """generation.decode_split_rows: the two halves of each step run on two streams, and every
-    completion is the one-batch engine's, its log-probs up to the rounding of a half-sized matmul."""
-    model = reference_model(torch.float32)
-    sampling = SamplingParams(max_new_tokens=24, temperature=1.0)
-    reqs = requests(20, samples=3)
-    whole = engine(model, sampling, cuda_graphs=cuda_graphs, compile=False).generate(reqs)
-    halved_batches = []
-    in_halves = DecodeStep._hidden_in_halves
-    monkeypatch.setattr(DecodeStep, "_hidden_in_halves",
-                        lambda self, rows, reads: halved_batches.append(len(rows)) or in_halves(self, rows, reads))
-    halves = engine(model, sampling, cuda_graphs=cuda_graphs, compile=False, split_rows=8).generate(reqs)
-    assert halved_batches and min(halved_batches) >= 8
-    assert [c.tokens for c in halves] == [c.tokens for c in whole]
-    for h, w in zip(halves, whole):
-        assert h.logprobs == pytest.approx(w.logprobs, abs=1e-5)
 
 
 def test_generation_beside_a_training_load_equals_generation_alone():

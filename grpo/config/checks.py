@@ -190,10 +190,6 @@ def _check_generation(cfg: Config) -> None:
     require(g.kv_cache_gb >= 0, "generation.kv_cache_gb", g.kv_cache_gb, "must be >= 0 (0 = sized from max_batch_size)")
     require(0 < g.kv_cache_fraction <= 1, "generation.kv_cache_fraction", g.kv_cache_fraction, "must be in (0, 1]")
     require(g.sync_every >= 1, "generation.sync_every", g.sync_every, "must be >= 1")
-    require(
-        g.decode_split_rows == 0 or g.decode_split_rows >= 2,
-        "generation.decode_split_rows", g.decode_split_rows, "must be 0 (off) or >= 2 (two halves of a batch)",
-    )
 
 
 def _check_grpo(cfg: Config) -> None:

@@ -75,11 +75,6 @@ def check_vllm(cfg: Config) -> None:
         raise ConfigError(f'generation.engine = "vllm" {problem}')
     if cfg.parallelism.generator_tp != 1:
         raise ConfigError('generation.engine = "vllm" runs one generator rank per engine (parallelism.generator_tp = 1)')
-    if g.decode_split_rows:
-        raise ConfigError(
-            f"generation.decode_split_rows = {g.decode_split_rows} is the native engine's; vLLM schedules its own "
-            "decode steps: set it to 0"
-        )
 
 
 def check_bitwise(cfg: Config) -> None:
@@ -171,11 +166,6 @@ def _check_generator_tp(cfg: Config) -> None:
         )
     if tp == 1:
         return
-    if cfg.generation.decode_split_rows:
-        raise ConfigError(
-            f"generation.decode_split_rows = {cfg.generation.decode_split_rows} needs parallelism.generator_tp = 1: "
-            "each half's all-reduces would run beside the other's; set it to 0"
-        )
     from model.parallelize import tensor_parallel_problem
 
     problem = tensor_parallel_problem(model_shape(cfg), tp)

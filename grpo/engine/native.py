@@ -71,8 +71,6 @@ class NativeEngine:
         whole model's, the engine holds this rank's shard (model/parallelize.py) and its share of
         the K/V heads in the cache. Every rank of the group runs the same requests and draws the
         same tokens (the logits are whole and equal on every rank).
-    split_rows: decode batches of at least this many rows as two halves on two CUDA streams, one
-        half's attention beside the other's matmuls (0 = never; CPU never).
     lora: the trainer trains these adapters: the adapted layers' base weights and adapters arrive
         by name (adapters.py) and are merged into the engine's weights at the end of each update.
     """
@@ -99,7 +97,6 @@ class NativeEngine:
         overlap_checks: bool | None = None,
         tensor_parallel: tuple[int, dist.ProcessGroup] | None = None,
         lora: LoRASpec | None = None,
-        split_rows: int = 0,
     ):
         if stop_strings and decode_text is None:
             raise ValueError("stop strings need a decode_text function to read the completion text")
@@ -110,12 +107,8 @@ class NativeEngine:
         self.max_batch_size, self.share_prefix = max_batch_size, share_prefix
         self.kv_cache_gb, self.kv_cache_fraction = kv_cache_gb, kv_cache_fraction
         self.sync_every, self.prefill_tokens = sync_every, prefill_tokens
-        self.split_rows = split_rows
         on_cuda = self.device.type == "cuda"
         self.overlap_checks = on_cuda if overlap_checks is None else overlap_checks
-        if tensor_parallel is not None and split_rows:
-            raise ValueError("split_rows: a decode step in two halves on two streams is not supported under tensor parallelism "
-                             "(each half's all-reduces would run beside the other's)")
         if tensor_parallel is not None:
             args = self.args = tensor_parallel_args(args, tensor_parallel[0])
         check_decode_kernel(args.n_heads, args.n_kv_heads, args.head_dim, self.device, dtype)
@@ -189,8 +182,7 @@ class NativeEngine:
         self.cache = SlotCache(self.args, num_slots, max_seq_len, self.dtype, self.device)
         self.shares = PrefixShares(self.cache)
         self.decoder = DecodeStep(
-            self.model, self.cache, self._sample, self._token_hash, self.eos_ids, num_slots, self.use_graphs,
-            self.split_rows,
+            self.model, self.cache, self._sample, self._token_hash, self.eos_ids, num_slots, self.use_graphs
         )
 
     @torch.no_grad()

@@ -199,7 +199,6 @@ class Run:
             cuda_graphs=gen.cuda_graphs,
             compile=gen.compile,
             sync_every=gen.sync_every,
-            split_rows=gen.decode_split_rows,
             tensor_parallel=(roles.generator_tp, roles.tp_group) if roles.generator_tp > 1 else None,
             lora=self.lora,
         )
