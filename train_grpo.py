@@ -115,10 +115,12 @@ def init_distributed(cfg: Config) -> torch.device:
 def reward_pool_size(cfg: Config, split: bool) -> int:
     """rewards.num_workers, or for -1 the automatic size: a smaller pool where this rank's engine
     generates while the pool scores (scoring during generation, colocated ranks on the async
-    schedule), so that the engine's host work keeps its cores."""
+    schedule), so that the engine's host work keeps its cores. Scoring during generation takes
+    effect on colocated ranks with single-turn episodes only (sync_step._scoring_stream)."""
     if cfg.rewards.num_workers != -1:
         return cfg.rewards.num_workers
-    engine_beside = cfg.rewards.overlap or (not split and cfg.training.schedule == "async")
+    scores_during_generation = cfg.rewards.overlap and not split and not cfg.env.name
+    engine_beside = scores_during_generation or (not split and cfg.training.schedule == "async")
     return auto_pool_size(engine_beside=engine_beside)
 
 

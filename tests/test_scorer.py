@@ -246,6 +246,7 @@ def test_an_engine_beside_the_pool_keeps_half_of_the_share(cores, local_ranks, e
         ([], False, 15),  # colocated, sync: the rank waits while its pool scores
         (["--training.schedule=async"], False, 8),  # its engine generates meanwhile
         (["--rewards.overlap=true"], False, 8),
+        (["--rewards.overlap=true"], True, 15),  # trainers score what they receive, after generation
         (["--training.schedule=async"], True, 15),  # split roles: a trainer rank has no engine
         (["--rewards.num_workers=3"], False, 3),
     ],
@@ -257,6 +258,18 @@ def test_the_run_sizes_its_pool_by_what_the_rank_does_while_it_scores(overrides,
     monkeypatch.setattr(host, "usable_cores", lambda: list(range(16)))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     assert train_grpo.reward_pool_size(load_config(overrides, world_size=2), split) == expected
+
+
+def test_multi_turn_episodes_are_scored_after_generation_by_the_larger_pool(monkeypatch):
+    import train_grpo
+    from grpo.config import load_config
+
+    monkeypatch.setattr(host, "usable_cores", lambda: list(range(16)))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    cfg = load_config(["--rewards.overlap=true"], world_size=2)
+    assert train_grpo.reward_pool_size(cfg, split=False) == 8
+    cfg.env.name = "calculator"  # set after loading: the checks would ask for a chat checkpoint
+    assert train_grpo.reward_pool_size(cfg, split=False) == 15
 
 
 def test_the_automatic_pool_size_reads_the_cores_and_torchruns_local_ranks(monkeypatch):
