@@ -63,8 +63,8 @@ class HFTokenizer:
 
     def decode_batch(self, id_lists: Sequence[Sequence[int]]) -> list[str]:
         """`decode` of each id list, in one call of the Rust tokenizer where its text is `decode`'s
-        (`batch_in_rust`): that call spreads the sequences over the host's cores, where a loop of
-        `decode` calls costs ~0.1 ms of Python a sequence (bench/scoring.py's `decode_ms`)."""
+        (`batch_in_rust`): transformers' `decode` wraps the same Rust decode in Python work at every
+        call, half of the time a step took to decode 512 completions (bench/RESULTS.md)."""
         if not self.batch_in_rust:
             return [self.decode(ids) for ids in id_lists]
         return self.hf.backend_tokenizer.decode_batch([list(ids) for ids in id_lists], skip_special_tokens=True)
