@@ -52,6 +52,16 @@ def test_the_folder_is_smollm2_and_our_model_matches_transformers(smollm2):
         assert torch.equal(ours(ids), hf(ids).logits)
 
 
+def test_the_real_tokenizer_decodes_a_batch_in_one_rust_call_as_one_by_one(smollm2):
+    from grpo.data.tokenizer import load_hf_tokenizer
+
+    tok = load_hf_tokenizer(smollm2)
+    assert tok.batch_in_rust
+    g = torch.Generator().manual_seed(0)
+    id_lists = [torch.randint(0, tok.vocab_size, (n,), generator=g).tolist() + [tok.eos_id] for n in range(0, 600, 3)]
+    assert tok.decode_batch(id_lists) == [tok.decode(ids) for ids in id_lists]
+
+
 def test_two_grpo_steps_on_reasoning_gym_sums(smollm2, tmp_path):
     out = tmp_path / "run"
     result = launch([
