@@ -37,6 +37,7 @@ from grpo.distributed.roles import build_roles
 from grpo.errors import TandemError
 from grpo.run.loop import run_loop
 from grpo.run.rank import Run, RunAborted
+from grpo.run.sync_step import scores_during_generation
 from grpo.scoring.pool import auto_pool_size
 from grpo.scoring.scorer import Scorer
 from grpo.train.checkpoint_folders import find_resume, saved_step
@@ -115,12 +116,10 @@ def init_distributed(cfg: Config) -> torch.device:
 def reward_pool_size(cfg: Config, split: bool) -> int:
     """rewards.num_workers, or for -1 the automatic size: a smaller pool where this rank's engine
     generates while the pool scores (scoring during generation, colocated ranks on the async
-    schedule), so that the engine's host work keeps its cores. Scoring during generation takes
-    effect on colocated ranks with single-turn episodes only (sync_step._scoring_stream)."""
+    schedule), so that the engine's host work keeps its cores."""
     if cfg.rewards.num_workers != -1:
         return cfg.rewards.num_workers
-    scores_during_generation = cfg.rewards.overlap and not split and not cfg.env.name
-    engine_beside = scores_during_generation or (not split and cfg.training.schedule == "async")
+    engine_beside = scores_during_generation(cfg, split) or (not split and cfg.training.schedule == "async")
     return auto_pool_size(engine_beside=engine_beside)
 
 

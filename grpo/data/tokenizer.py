@@ -43,12 +43,16 @@ class HFTokenizer:
         self.eos_ids: list[int] = eos_ids
         self.eos_id: int = eos_ids[0]
         self.pad_id: int = int(hf.pad_token_id) if hf.pad_token_id is not None else self.eos_id
-        self.batch_in_rust: bool = decodes_in_rust(hf)
 
     @property
     def vocab_size(self) -> int:
         """Number of ids the tokenizer can produce (added tokens included)."""
         return len(self.hf)
+
+    @property
+    def batch_in_rust(self) -> bool:
+        """Whether `decode_batch` decodes in one call of the Rust tokenizer (decodes_in_rust)."""
+        return decodes_in_rust(self.hf)
 
     @property
     def has_chat_template(self) -> bool:

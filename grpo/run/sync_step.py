@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from grpo.config import Config
 from grpo.data.prompt import Prompt
 from grpo.distributed.collectives import all_reduce
 from grpo.observe.profile import StepProfiler
@@ -105,11 +106,17 @@ def _generate_rounds(run: Run, step: int, profiler: StepProfiler) -> _Rounds:
     return out
 
 
+def scores_during_generation(cfg: Config, split: bool) -> bool:
+    """Whether rewards.overlap takes effect: not on split roles (trainers score what they receive)
+    nor with multi-turn episodes, which are scored once the batch is whole."""
+    return cfg.rewards.overlap and not split and not cfg.env.name
+
+
 def _scoring_stream(run: Run, prompts: list[Prompt]) -> ScoringStream | None:
     """A stream that scores completions while the engine decodes the rest (rewards.overlap), or
-    None where scoring waits for the batch: split roles (trainers score what they receive),
-    multi-turn episodes, reward calls inside this process (num_workers = 0)."""
-    if not run.cfg.rewards.overlap or run.roles.split or run.env is not None or not run.scorer.num_workers:
+    None where scoring waits for the batch (scores_during_generation, and reward calls inside this
+    process: num_workers = 0)."""
+    if not scores_during_generation(run.cfg, run.roles.split) or not run.scorer.num_workers:
         return None
     return ScoringStream(run.scorer, {p.index: p for p in prompts}, run.tokenizer.decode_batch, run.score_defaults(),
                          run.tokenizer.pad_id)
