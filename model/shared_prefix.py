@@ -64,12 +64,12 @@ class _PrefixAttention(torch.autograd.Function):
         prefix_k, prefix_v = k.index_select(0, shared.prefix_index), v.index_select(0, shared.prefix_index)
         own_out, own_lse = _forward(fast, q, k, v, own, causal=True)
         prefix_out, prefix_lse = _forward(fast, q, prefix_k, prefix_v, prefix, causal=False)
-        prefix_lse = prefix_lse.masked_fill(~shared.continues, float("-inf"))  # [H, N]
-        lse = torch.logaddexp(own_lse, prefix_lse)
-        # The prefix call's share of each query's softmax mass [N, H, 1]: 0 where nothing continues,
-        # so that lerp keeps the own call's output there exactly.
-        share = torch.exp(prefix_lse - lse).transpose(0, 1)[:, :, None].to(q.dtype)
-        out = torch.lerp(own_out, prefix_out, share)
+        if fast:
+            from model.merge_kernel import merge  # Triton exists only where CUDA does
+
+            out, lse = merge(own_out, own_lse, prefix_out, prefix_lse, shared.continues)
+        else:
+            out, lse = merge_reference(own_out, own_lse, prefix_out, prefix_lse, shared.continues)
         ctx.save_for_backward(q, k, v, prefix_k, prefix_v, out, lse)
         ctx.fast, ctx.own, ctx.prefix, ctx.shared = fast, own, prefix, shared
         return out
@@ -86,6 +86,21 @@ class _PrefixAttention(torch.autograd.Function):
         dk = dk.index_add(0, shared.prefix_index, dk_prefix)
         dv = dv.index_add(0, shared.prefix_index, dv_prefix)
         return dq + dq_prefix, dk, dv, None, None, None, None
+
+
+def merge_reference(
+    own_out: torch.Tensor, own_lse: torch.Tensor, prefix_out: torch.Tensor, prefix_lse: torch.Tensor,
+    continues: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """model/merge_kernel.merge's contract in plain torch: the two calls' outputs [N, H, D] and
+    log-sum-exps [H, N] merged into one softmax's; a token that continues no prefix (continues [N]
+    False) keeps its own call's output exactly."""
+    prefix_lse = prefix_lse.masked_fill(~continues, float("-inf"))
+    lse = torch.logaddexp(own_lse, prefix_lse)
+    # The prefix call's share of each query's softmax mass [N, H, 1], 0 where nothing continues.
+    share = torch.exp(prefix_lse - lse).transpose(0, 1)[:, :, None]
+    own, other = own_out.float(), prefix_out.float()
+    return (own + share * (other - own)).to(own_out.dtype), lse
 
 
 def _forward(fast: bool, q, k, v, segments: tuple, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:

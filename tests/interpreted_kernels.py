@@ -243,6 +243,28 @@ def check_silu_mul() -> None:
     assert silu_mul(x[:, :0]).shape == (1, 0, 1500)
 
 
+def check_prefix_merge() -> None:
+    """The shared-prefix merge's kernel (model/merge_kernel.py) against shared_prefix.py's plain
+    torch: tokens that continue a prefix and tokens that do not (their own output's bits kept),
+    a token with no prefix keys (its prefix log-sum-exp +inf), a head size no power of two, more
+    rows than one program's block."""
+    from model.merge_kernel import merge
+    from model.shared_prefix import merge_reference
+
+    g = torch.Generator().manual_seed(6)
+    N, H, D = 53, 3, 40
+    own_out, prefix_out = torch.randn(N, H, D, generator=g), torch.randn(N, H, D, generator=g)
+    own_lse, prefix_lse = torch.randn(H, N, generator=g) * 3, torch.randn(H, N, generator=g) * 3
+    continues = torch.rand(N, generator=g) < 0.7
+    prefix_lse[:, 5], continues[5] = float("inf"), False
+    out, lse = merge(own_out, own_lse, prefix_out, prefix_lse, continues)
+    want_out, want_lse = merge_reference(own_out, own_lse, prefix_out, prefix_lse, continues)
+    close(out, want_out, tol=1e-5)
+    close(lse, want_lse, tol=1e-5)
+    assert torch.equal(out[~continues], own_out[~continues]) and torch.equal(lse[:, ~continues], own_lse[:, ~continues])
+    assert (out[continues] != own_out[continues]).all()
+
+
 def check_slot_step() -> None:
     """The decode step's slot-state kernels (grpo/engine/slot_kernels.py) against slot_step.py's
     plain torch: rows that go on, finish on EOS or at their budget, a finished row, and padding
@@ -288,7 +310,7 @@ def check_slot_step() -> None:
 
 CHECKS = {"matmul": check_matmul, "gumbel_sample": check_gumbel_sample, "silu_mul": check_silu_mul,
           "rms_norm": check_rms_norm, "attention": check_attention, "slot_step": check_slot_step,
-          "gradients": check_gradients,
+          "gradients": check_gradients, "prefix_merge": check_prefix_merge,
           # an engine batch of 24 with a few episodes packed per training row
           "pipeline_batch_24": lambda: check_pipeline(24, 64, prompts=8)}
 

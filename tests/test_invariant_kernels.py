@@ -1,7 +1,7 @@
 """The CUDA kernels' logic on the CPU, through Triton's interpreter: the batch-invariant ones, the
-sampler's, the SwiGLU one and the decode step's slot-state ones (tests/interpreted_kernels.py has
-the checks), and a whole demo run on the invariant ones: with the kernels interpreted, the engine's
-log-probs equal the trainer's at every step.
+sampler's, the SwiGLU one, the decode step's slot-state ones and the shared-prefix merge
+(tests/interpreted_kernels.py has the checks), and a whole demo run on the invariant ones: with
+the kernels interpreted, the engine's log-probs equal the trainer's at every step.
 
 Triton >= 3.9 is needed (its interpreter: earlier releases fail on NumPy 2's scalar conversion);
 the README's test command installs it. On a machine with a GPU these skip: the kernels run for
@@ -41,7 +41,8 @@ def _interpreted_env() -> dict[str, str]:
 
 # The interpreter is slow: one engine-against-trainer case (tests/test_bitwise.py runs them all on
 # the CPU reference) and one demo run, split, where the weights reach the engine over the wire.
-CHECKS = ["matmul", "gumbel_sample", "silu_mul", "rms_norm", "attention", "slot_step", "gradients", "pipeline_batch_24"]
+CHECKS = ["matmul", "gumbel_sample", "silu_mul", "rms_norm", "attention", "slot_step", "gradients", "prefix_merge",
+          "pipeline_batch_24"]
 
 
 @pytest.fixture(scope="module")

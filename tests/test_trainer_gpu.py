@@ -115,6 +115,25 @@ def test_shared_prompts_give_the_plain_layouts_logprobs_and_gradients():
     torch.testing.assert_close(shared_grad, plain_grad, atol=5e-2, rtol=5e-2)
 
 
+def test_prefix_merge_kernel_equals_plain_torch_in_bf16():
+    """model/merge_kernel.py on the GPU against shared_prefix.merge_reference, on bf16 outputs of
+    the Qwen3-0.6B heads: within one bf16 rounding, and the own output's bits wherever no prefix
+    is continued."""
+    from model.merge_kernel import merge
+    from model.shared_prefix import merge_reference
+
+    g = torch.Generator().manual_seed(8)
+    N, H, D = 3001, 16, 128
+    own_out, prefix_out = (torch.randn(N, H, D, generator=g).to(DEVICE, torch.bfloat16) for _ in range(2))
+    own_lse, prefix_lse = ((torch.randn(H, N, generator=g) * 4).to(DEVICE) for _ in range(2))
+    continues = (torch.rand(N, generator=g) < 0.8).to(DEVICE)
+    out, lse = merge(own_out, own_lse, prefix_out, prefix_lse, continues)
+    want_out, want_lse = merge_reference(own_out, own_lse, prefix_out, prefix_lse, continues)
+    torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.float(), want_out.float(), atol=2e-2, rtol=1e-2)
+    assert torch.equal(out[~continues], own_out[~continues])
+
+
 def test_compiled_halves_and_head_match_eager_for_any_token_count():
     from torch._dynamo.utils import counters
 
