@@ -119,3 +119,25 @@ def test_one_rank_trainer_takes_a_batch_without_episodes():
     assert metrics["loss/grad_norm"] == 0.0
     initial = initial_weights()
     assert all(torch.equal(p.detach(), initial[n]) for n, p in trainer.model.named_parameters())
+
+
+def test_accumulate_sums_each_micro_batch_in_fp32_and_zeroes_what_none_reached():
+    """Two backwards through the bf16 copy, each followed by accumulate(): a master's fp32 gradient
+    is the first backward's bf16 gradient plus the second's, each cast to fp32 (a hand-derived
+    sum), and a parameter neither reached has a zero gradient."""
+    from model.mixed_precision import OneRankMixedPrecision
+
+    mixed = OneRankMixedPrecision(build_model(), torch.bfloat16)
+    mixed.prepare()
+    mixed(torch.zeros(1, 2, dtype=torch.long))  # casts the masters into the copy
+    norm, wq = mixed.compute.norm.weight, mixed.compute.layers[0].attention.wq.weight
+    (3 * norm.float()).sum().backward()
+    mixed.accumulate()
+    (norm.float() ** 2).sum().add(wq.float().sum()).backward()
+    expected_norm = torch.full_like(norm, 3).float() + (2 * norm.float()).to(torch.bfloat16).float()
+    mixed.accumulate()
+    masters = dict(mixed.master.named_parameters())
+    assert torch.equal(masters["norm.weight"].grad, expected_norm)
+    assert torch.equal(masters["layers.0.attention.wq.weight"].grad, torch.ones_like(wq, dtype=torch.float32))
+    assert masters["layers.0.attention.wk.weight"].grad.count_nonzero() == 0
+    assert all(p.grad.dtype == torch.float32 for p in mixed.master.parameters())
