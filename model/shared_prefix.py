@@ -12,8 +12,8 @@ prefix take no part in the prefix call's (their log-sum-exp there is +inf).
 
 Nothing is copied per sequence: gathering the prefix's keys before each sequence's own would copy a
 group's prefix once per sequence and sum its gradients back with an index_add (bench/RESULTS.md).
-On CUDA in bf16/fp16 the calls are flash attention's (model/flash.py); elsewhere this module's
-reference of the same contract, in fp32.
+On CUDA in bf16/fp16 the calls are flash attention's (model/flash.py) and the merge one Triton
+kernel (model/merge_kernel.py); elsewhere this module's references of the same contracts, in fp32.
 """
 
 from __future__ import annotations
