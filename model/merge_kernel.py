@@ -8,9 +8,10 @@ log-sum-exps l_own, l_prefix [H, N] (fp32), become one softmax over both calls' 
 where l_prefix counts as -inf for a token that continues no prefix, so that w = 0 and out is
 o_own's bits. Why a kernel of our own: in plain torch this is six kernels, and the lerp, whose
 weight broadcasts over D, runs unvectorised at about half the memory bound (106 µs a call at 15k
-tokens on an H100, 21 ms of the RL step's training phase, bench/RESULTS.md "The shared-prefix
-merge in one kernel"). Here each program reads its rows of both outputs once and keeps the weight
-in fp32 rather than rounding it to the outputs' dtype first.
+tokens on an H100, 21 ms of the RL step's training phase: bench/RESULTS.md, "The training phase
+kernel by kernel; the shared-prefix merge in one kernel; ..."). Here each program reads its rows
+of both outputs once and keeps the weight in fp32 rather than rounding it to the outputs' dtype
+first.
 """
 
 from __future__ import annotations
@@ -54,10 +55,11 @@ def merge(
     the merged out [N, H, D] (own_out's dtype) and log-sum-exp [H, N] fp32."""
     N, H, D = own_out.shape
     own_out, prefix_out = own_out.contiguous(), prefix_out.contiguous()
+    own_lse, prefix_lse = own_lse.contiguous(), prefix_lse.contiguous()
     out = torch.empty_like(own_out)
-    lse = torch.empty_like(own_lse)
+    lse = torch.empty_like(own_lse)  # the kernel writes [H, N] row-major, as it reads own_lse
     if N:
         grid = (triton.cdiv(N * H, BLOCK_ROWS),)
-        _merge_kernel[grid](own_out, prefix_out, own_lse.contiguous(), prefix_lse.contiguous(), continues, out, lse,
+        _merge_kernel[grid](own_out, prefix_out, own_lse, prefix_lse, continues, out, lse,
                             N, H, D, BLOCK_ROWS=BLOCK_ROWS, BLOCK_D=triton.next_power_of_2(D), num_warps=4)
     return out, lse
