@@ -13,6 +13,7 @@ dependencies, `llama-cpp-python` and `llm`, run the GGUF file in llama.cpp; we o
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib.metadata
 import sys
 from pathlib import Path
@@ -50,9 +51,11 @@ def build(out: Path) -> Path:
 
     source = gguf_path()
     kw = dict(gguf_file=source.name)
-    model = AutoModelForCausalLM.from_pretrained(str(source.parent), dtype=torch.bfloat16, **kw).eval()
-    tokenizer = AutoTokenizer.from_pretrained(str(source.parent), **kw)
+    # Each loader parses the whole GGUF header again unless handed the config (about 10 s a parse).
     config = AutoConfig.from_pretrained(str(source.parent), **kw)
+    model = AutoModelForCausalLM.from_pretrained(str(source.parent), config=copy.deepcopy(config),
+                                                 dtype=torch.bfloat16, **kw).eval()
+    tokenizer = AutoTokenizer.from_pretrained(str(source.parent), config=config, **kw)
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # the folder holds plain bf16 weights
     config.dtype = torch.bfloat16
