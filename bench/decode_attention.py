@@ -2,6 +2,7 @@
 (variable-length form, per-row slot offsets + `seqused_k`), in the same run. One JSON line per batch.
 
     python3 bench/decode_attention.py [--batches 64,256] [--live 256] [--slot 384] [--sweep 4x2,4x3,4x2x128] [--share 85]
+    python3 bench/decode_attention.py --splits 1,2,3,4,auto [--batches 16,64,256] [--live 256]
 
 Qwen3-0.6B attention shape (16 query heads, 8 KV heads, head_dim 128), bf16; every row attends
 over `--live` keys of its own slot. Reports microseconds per call and the achieved bandwidth
@@ -13,6 +14,11 @@ kernel's changes the output's bits), each call timed inside a CUDA graph as the 
 so the host's launch cost is left out. `--share P` makes rows in groups of 8 read their first P keys
 from one slot, as the samples of one prompt do (bandwidth then counts a shared prompt once per
 group). One JSON line per batch and configuration.
+
+`--splits N,...`: the default mode's split kernel (model/decode_kernel.py) with each row's keys in
+N ranges (`auto`: decode_splits' pick for the batch), against the one-program-a-row kernel (N = 1
+runs that kernel itself) in the same run, graph-timed; `vs_unsplit` is the unsplit time over this
+one, `max_abs_diff` the largest difference from the unsplit output.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.decode_matmuls import graph_time_us  # noqa: E402
 from model import invariant_kernels  # noqa: E402
+from model.decode_kernel import decode_splits, split_slot_attention  # noqa: E402
 from model.invariant_kernels import slot_attention  # noqa: E402
 
 H, HKV, D = 16, 8, 128
@@ -82,12 +89,30 @@ def sweep(configs: str, attend, live_bytes: int, row: dict) -> None:
             setattr(invariant_kernels, name, value)
 
 
+def split_sweep(counts: str, q, k_cache, v_cache, slots, lengths, live_bytes: int, row: dict) -> None:
+    """One line per split count: the split kernel against the unsplit one (see --splits)."""
+    unsplit = lambda: slot_attention(q, k_cache, v_cache, slots, lengths)  # noqa: E731
+    reference, base_us = unsplit(), graph_time_us(unsplit, reps=50)
+    for count in counts.split(","):
+        n = decode_splits(q.shape[0], HKV, k_cache.shape[1], q.device) if count == "auto" else int(count)
+        if n == 1:
+            fn = unsplit
+        else:
+            fn = lambda n=n: split_slot_attention(q, k_cache, v_cache, slots, lengths, slots, lengths, None, None,  # noqa: E731
+                                                  lengths, n)
+        us = graph_time_us(fn, reps=50)
+        print(json.dumps({**row, "splits": count, "n": n, "graph_us": round(us, 2), "GBps": round(live_bytes / us / 1e3),
+                          "vs_unsplit": round(base_us / us, 3),
+                          "max_abs_diff": float((fn().float() - reference.float()).abs().max())}), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--batches", default="64,256")
     parser.add_argument("--live", type=int, default=256)
     parser.add_argument("--slot", type=int, default=384)
     parser.add_argument("--sweep", default="", help="WARPSxSTAGES[xBLOCK_N],... of our kernel, timed in CUDA graphs")
+    parser.add_argument("--splits", default="", help="split counts of the split kernel (or 'auto'), against the unsplit one")
     parser.add_argument("--share", type=int, default=0,
                         help="with --sweep: rows in groups of 8 read their first SHARE keys from the group's first slot")
     opts = parser.parse_args()
@@ -102,6 +127,10 @@ def main() -> None:
         ours = slot_attention(q, k_cache, v_cache, slots, lengths)
         theirs = flash_varlen(q, k_cache, v_cache, slots, lengths)
         live_bytes = 2 * batch * opts.live * HKV * D * 2
+        if opts.splits:
+            split_sweep(opts.splits, q, k_cache, v_cache, slots, lengths, live_bytes,
+                        dict(bench="decode_attention_splits", batch=batch, live=opts.live, slot=opts.slot))
+            continue
         if opts.sweep:
             share_slots = slots.view(-1, GROUP)[:, :1].expand(-1, GROUP).reshape(-1) if opts.share else slots
             share_lens = torch.full_like(lengths, opts.share) if opts.share else lengths

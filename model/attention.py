@@ -284,6 +284,8 @@ def slot_decode(
     attended [B] int32 (optional): row b attends only to its first attended[b] (<= lengths[b])
     keys, fewer bytes read for a row whose output nobody uses (a finished row still in its decode
     graph attends to one key).
+    On CUDA in the default mode, a batch too small to fill the device gives each row's keys to
+    several programs (model/decode_kernel.py); the bitwise mode keeps one program a row.
     """
     if share_slots is None:
         share_slots, share_lens = slots, lengths
@@ -302,8 +304,13 @@ def slot_decode(
         return batch_invariant.slot_attention(q, keys, values, lengths, attended)
     if kernel:
         # Imported here: Triton exists only where CUDA does.
+        from model.decode_kernel import decode_splits, split_slot_attention
         from model.invariant_kernels import slot_attention
 
+        splits = decode_splits(q.shape[0], k_cache.shape[2], k_cache.shape[1], q.device)
+        if splits > 1:
+            return split_slot_attention(q, k_cache, v_cache, slots, lengths, share_slots, share_lens, new_k, new_v,
+                                        lengths if attended is None else attended, splits)
         return slot_attention(q, k_cache, v_cache, slots, lengths, share_slots, share_lens, new_k, new_v, attended)
     keys, values = _slot_keys(k_cache, v_cache, slots, share_slots, share_lens)
     attended = lengths if attended is None else attended

@@ -20,7 +20,8 @@ split of the reduction across thread blocks, from the shapes they are given. Her
 Only the forward passes are invariant; gradients need not be (model/invariant_ops.py).
 
 The decode kernel (`slot_attention`) is also the engine's decode attention in the default mode,
-where the other paths use cuBLAS and flash attention. Why a kernel of our own there: on torch 2.11
+where the other paths use cuBLAS and flash attention (at batches too small to fill the device,
+model/decode_kernel.py splits each row's keys across programs instead). Why a kernel of our own there: on torch 2.11
 the flash-attention kernel has no decode entry point (no split-KV, no KV-cache path), and its
 forward pass tiles queries in blocks of 128 rows, so a step with one query per sequence computes
 64-128 times the useful work and becomes compute-bound (bench/decode_attention.py measures it).

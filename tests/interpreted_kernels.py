@@ -265,6 +265,43 @@ def check_prefix_merge() -> None:
     assert (out[continues] != own_out[continues]).all()
 
 
+def check_split_decode() -> None:
+    """The split decode kernel (model/decode_kernel.py) against the plain torch decode path
+    (attention.slot_decode on the CPU): rows of 1 to 200 live keys, each storing its own new key
+    and value first, one reading a shared prompt from another slot, a finished row attending to
+    one key; 1 to 8 splits (more ranges than a short row has key blocks); a second launch on the
+    same arrival counters gives the same bits."""
+    from model.attention import slot_decode
+    from model.decode_kernel import split_slot_attention
+
+    g = torch.Generator().manual_seed(7)
+    H, Hkv, D, L = 4, 2, 16, 210
+    lengths = torch.tensor([1, 5, 64, 65, 200, 130], dtype=torch.int32)
+    B = len(lengths)
+    k_cache, v_cache = torch.randn(B + 1, L, Hkv, D, generator=g), torch.randn(B + 1, L, Hkv, D, generator=g)
+    slots, share_slots, share_lens = torch.arange(B), torch.arange(B), lengths.clone()
+    # Row 5 reads its first 70 keys from slot B, whose copy of them is the only one.
+    share_slots[5], share_lens[5] = B, 70
+    for cache in (k_cache, v_cache):
+        cache[B, :70] = cache[5, :70]
+        cache[5, :70] = float("nan")
+    attended = lengths.clone()
+    attended[4] = 1
+    q, new_k, new_v = torch.randn(B, H, D, generator=g), torch.randn(B, Hkv, D, generator=g), torch.randn(B, Hkv, D, generator=g)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    want = slot_decode(q, want_k, want_v, slots, lengths, share_slots, share_lens, new_k, new_v, attended)
+    assert not want.isnan().any()
+    for splits in (1, 2, 3, 8):
+        got_k, got_v = k_cache.clone(), v_cache.clone()
+        got = split_slot_attention(q, got_k, got_v, slots, lengths, share_slots, share_lens, new_k, new_v, attended, splits)
+        close(got, want, tol=1e-5)
+        assert torch.equal(got_k.nan_to_num(7.0), want_k.nan_to_num(7.0))
+        assert torch.equal(got_v.nan_to_num(7.0), want_v.nan_to_num(7.0))
+        again = split_slot_attention(q, got_k, got_v, slots, lengths, share_slots, share_lens, new_k, new_v, attended,
+                                     splits)
+        assert torch.equal(again, got), splits
+
+
 def check_slot_step() -> None:
     """The decode step's slot-state kernels (grpo/engine/slot_kernels.py) against slot_step.py's
     plain torch: rows that go on, finish on EOS or at their budget, a finished row, and padding
@@ -310,7 +347,7 @@ def check_slot_step() -> None:
 
 CHECKS = {"matmul": check_matmul, "gumbel_sample": check_gumbel_sample, "silu_mul": check_silu_mul,
           "rms_norm": check_rms_norm, "attention": check_attention, "slot_step": check_slot_step,
-          "gradients": check_gradients, "prefix_merge": check_prefix_merge,
+          "gradients": check_gradients, "prefix_merge": check_prefix_merge, "split_decode": check_split_decode,
           # an engine batch of 24 with a few episodes packed per training row
           "pipeline_batch_24": lambda: check_pipeline(24, 64, prompts=8)}
 

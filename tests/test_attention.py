@@ -211,3 +211,17 @@ def test_packed_attention_runs_the_chosen_cuda_kernel(monkeypatch):
     assert calls == [(name, (8, 4, 8), (8, 2, 8), [0, 3, 8], 5) for name in ("fa4", "flash")]
     with pytest.raises(ValueError, match="expected one of"):
         attention.set_packed_kernel("fa3")
+
+
+def test_decode_splits_give_rows_more_programs_only_where_they_leave_the_device_idle():
+    """decode_splits, by hand: the device holds 3 programs an SM, and a launch should fill two such
+    waves (2 × 3 × 132 SMs = 792 programs; the CPU counts as 132 SMs)."""
+    from model.decode_kernel import decode_splits
+
+    cpu = torch.device("cpu")
+    assert decode_splits(256, 8, 384, cpu) == 1  # 2,048 programs already
+    assert decode_splits(99, 8, 384, cpu) == 1  # 792: exactly two waves
+    assert decode_splits(64, 8, 384, cpu) == 2  # 512 -> 1,024
+    assert decode_splits(16, 8, 4096, cpu) == 7  # 128 -> 896
+    assert decode_splits(1, 8, 4096, cpu) == 8  # at most 8 ranges
+    assert decode_splits(1, 8, 100, cpu) == 2  # at most one range per 64-key block of the slot

@@ -61,6 +61,44 @@ def test_triton_slot_decode_matches_reference():
         torch.testing.assert_close(out[b].float(), want, atol=2e-2, rtol=2e-2)
 
 
+def test_split_decode_kernel_agrees_with_the_unsplit_one_and_replays_in_a_graph():
+    """The default mode's split decode kernel (model/decode_kernel.py) in bf16 against the
+    one-program-a-row kernel: rows of 1 to 400 keys, a shared prompt, new keys stored, a finished
+    row; 2 to 8 ranges a row. Captured in a CUDA graph and replayed, it gives its eager bits
+    (the arrival counters are back at 0 after every launch)."""
+    from model.decode_kernel import split_slot_attention
+    from model.invariant_kernels import slot_attention
+
+    torch.manual_seed(2)
+    S, L, Hkv, H, D = 9, 400, 2, 8, 64
+    k_cache = torch.randn(S, L, Hkv, D, device=DEVICE, dtype=torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    slots = torch.tensor([4, 0, 5, 2, 7, 1], device=DEVICE)
+    lengths = torch.tensor([1, 400, 37, 64, 65, 300], device=DEVICE, dtype=torch.int32)
+    share_slots, share_lens = slots.clone(), lengths.clone()
+    share_slots[5], share_lens[5] = 8, 100
+    k_cache[8, :100], v_cache[8, :100] = k_cache[1, :100], v_cache[1, :100]
+    attended = lengths.clone()
+    attended[1] = 1
+    q = torch.randn(6, H, D, device=DEVICE, dtype=torch.bfloat16)
+    new_k, new_v = (torch.randn(6, Hkv, D, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    want = slot_attention(q, want_k, want_v, slots, lengths, share_slots, share_lens, new_k, new_v, attended)
+    for splits in (2, 3, 8):
+        got_k, got_v = k_cache.clone(), v_cache.clone()
+        call = lambda: split_slot_attention(q, got_k, got_v, slots, lengths, share_slots, share_lens, new_k,  # noqa: E731
+                                            new_v, attended, splits)
+        eager = call()
+        torch.testing.assert_close(eager.float(), want.float(), atol=2e-2, rtol=2e-2)
+        assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = call()
+        for _ in range(3):
+            graph.replay()
+            assert torch.equal(captured, eager), splits
+
+
 def test_flash_varlen_prefill_matches_reference():
     torch.manual_seed(2)
     lengths = [5, 33, 1, 70]

@@ -42,6 +42,7 @@ def _interpreted_env() -> dict[str, str]:
 # The interpreter is slow: one engine-against-trainer case (tests/test_bitwise.py runs them all on
 # the CPU reference) and one demo run, split, where the weights reach the engine over the wire.
 CHECKS = ["matmul", "gumbel_sample", "silu_mul", "rms_norm", "attention", "slot_step", "gradients", "prefix_merge",
+          "split_decode",
           "pipeline_batch_24"]
 
 

@@ -1,0 +1,183 @@
+"""The default mode's decode attention at small batches: each row's keys split across programs.
+
+`invariant_kernels.slot_attention` runs one program per (row, K/V head), each walking the row's
+keys from the first to the last. At 64 rows and 8 K/V heads that is 512 programs, about 1.3 of
+the waves an H100 or H200 holds at once (three programs an SM, by shared memory), so the second
+wave runs a third full and the kernel reads its bytes well below the memory's rate. Here the keys
+of a row are cut into `splits` ranges of whole key blocks, one program each (flash-decoding). Each
+program writes its range's softmax state (max, sum, unnormalised output, fp32) to a scratch
+buffer, and the last of a row's programs to finish, told by an atomic counter, merges them
+and writes the output, so no second kernel is launched.
+
+The output differs from the unsplit kernel's by rounding (the key blocks are summed in another
+grouping), so `job.bitwise_logprobs` keeps the unsplit kernel, whose bits equal the trainer's.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from model.invariant_kernels import (
+    ATTENTION_BLOCK_M,
+    ATTENTION_BLOCK_N,
+    ATTENTION_DECODE_STAGES,
+    ATTENTION_WARPS,
+    _attend_block,
+    _precision,
+    slot_attention_unsupported,
+)
+
+# Programs an SM runs at once (shared memory: two stages of a 64-key block of K and V) and the
+# waves of them a split launch aims to fill; past MAX_SPLITS the merge's reads outgrow the gain.
+PROGRAMS_PER_SM = 3
+TARGET_WAVES = 2
+MAX_SPLITS = 8
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+
+
+def decode_splits(rows: int, kv_heads: int, slot_len: int, device: torch.device) -> int:
+    """How many programs share a row's keys: 1 where rows × K/V heads already fill TARGET_WAVES
+    waves of the device, else enough to fill them, at most MAX_SPLITS and at most one a key block
+    of the slot. Depends on the launch's shape only, so a CUDA graph keeps it."""
+    programs = rows * kv_heads
+    wanted = triton.cdiv(TARGET_WAVES * PROGRAMS_PER_SM * _sm_count(device), max(programs, 1))
+    return max(1, min(wanted, MAX_SPLITS, triton.cdiv(slot_len, ATTENTION_BLOCK_N)))
+
+
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def _arrivals(device: torch.device, size: int) -> torch.Tensor:
+    """Zeroed int32 counters, one per (row, K/V head), kept between calls: the merging program
+    sets its counter back to 0, so no launch has to clear them."""
+    held = _counters.get(device)
+    if held is None or held.numel() < size:
+        held = _counters[device] = torch.zeros(max(size, 4096), dtype=torch.int32, device=device)
+    return held
+
+
+@triton.jit
+def _split_slot_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_ptr, stat_ptr, arrivals_ptr, slots_ptr, lengths_ptr,
+                       share_slots_ptr, share_lens_ptr, attended_ptr, new_k_ptr, new_v_ptr, scale,
+                       stride_qb, stride_qh, stride_ks, stride_kl, stride_kh, stride_nkb, stride_nkh, stride_nvb,
+                       stride_nvh, stride_ob, stride_oh, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+                       SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       PRECISION: tl.constexpr, STORE_NEW: tl.constexpr):
+    row = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    slot = tl.load(slots_ptr + row).to(tl.int64)
+    length = tl.load(lengths_ptr + row)
+    share_slot = tl.load(share_slots_ptr + row).to(tl.int64)
+    share_len = tl.load(share_lens_ptr + row)
+    attended = tl.load(attended_ptr + row)
+    # Whole key blocks per split, so every range starts on a block edge.
+    span = tl.maximum(tl.cdiv(tl.cdiv(attended, BLOCK_N), SPLITS), 1) * BLOCK_N
+    lo = split * span
+    hi = tl.minimum(lo + span, attended)
+    g = tl.arange(0, BLOCK_M)
+    d = tl.arange(0, D)
+    heads = kv_head * G + g
+    q = tl.load(q_ptr + row * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=g[:, None] < G, other=0.0)
+    head_offset = kv_head * stride_kh + d[None, :]
+    if STORE_NEW:
+        # The program whose range holds the new key's position stores it (the last one when no
+        # range does: a finished row attends to fewer keys), so the one reader is the writer.
+        if split == tl.minimum((length - 1) // span, SPLITS - 1):
+            at = slot * stride_ks + (length - 1).to(tl.int64) * stride_kl + kv_head * stride_kh + d
+            tl.store(k_ptr + at, tl.load(new_k_ptr + row * stride_nkb + kv_head * stride_nkh + d))
+            tl.store(v_ptr + at, tl.load(new_v_ptr + row * stride_nvb + kv_head * stride_nvh + d))
+            tl.debug_barrier()
+    m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, D), tl.float32)
+    for key_start in range(lo, hi, BLOCK_N):
+        n = key_start + tl.arange(0, BLOCK_N)
+        keys_live = n < hi
+        source = tl.where(n < share_len, share_slot, slot)
+        offsets = source[:, None] * stride_ks + n[:, None] * stride_kl + head_offset
+        k = tl.load(k_ptr + offsets, mask=keys_live[:, None], other=0.0)
+        v = tl.load(v_ptr + offsets, mask=keys_live[:, None], other=0.0)
+        live = tl.broadcast_to(keys_live[None, :], (BLOCK_M, BLOCK_N))
+        m, l, acc = _attend_block(q, k, v, live, m, l, acc, scale, PRECISION)
+    # Scratch layout: part [B, HKV, SPLITS, G, D] and stat [B, HKV, SPLITS, 2, G] (max, sum).
+    pair = row * HKV + kv_head
+    own = g < G
+    base = pair * SPLITS + split
+    tl.store(part_ptr + (base * G + g[:, None]) * D + d[None, :], acc, mask=own[:, None])
+    tl.store(stat_ptr + base * 2 * G + g, m, mask=own)
+    tl.store(stat_ptr + base * 2 * G + G + g, l, mask=own)
+    # Every thread's stores are issued before the counter moves; the atomic's release and
+    # acquire order them for the program that reads them.
+    tl.debug_barrier()
+    if tl.atomic_add(arrivals_ptr + pair, 1) == SPLITS - 1:
+        _merge_splits(part_ptr, stat_ptr, out_ptr, pair, row, heads, g, d, own, stride_ob, stride_oh, G, D, SPLITS,
+                      BLOCK_M)
+        tl.store(arrivals_ptr + pair, 0)
+
+
+@triton.jit
+def _merge_splits(part_ptr, stat_ptr, out_ptr, pair, row, heads, g, d, own, stride_ob, stride_oh, G: tl.constexpr,
+                  D: tl.constexpr, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The row's output from its SPLITS partial states: each rescaled to the largest max."""
+    top = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    for s in tl.static_range(SPLITS):
+        top = tl.maximum(top, tl.load(stat_ptr + (pair * SPLITS + s) * 2 * G + g, mask=own, other=0.0,
+                                      cache_modifier=".cg"))
+    total = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, D), tl.float32)
+    for s in tl.static_range(SPLITS):
+        base = pair * SPLITS + s
+        # An empty range's max is -inf: its weight is exactly 0.
+        weight = tl.exp(tl.load(stat_ptr + base * 2 * G + g, mask=own, other=0.0, cache_modifier=".cg") - top)
+        total += weight * tl.load(stat_ptr + base * 2 * G + G + g, mask=own, other=1.0, cache_modifier=".cg")
+        part = tl.load(part_ptr + (base * G + g[:, None]) * D + d[None, :], mask=own[:, None], other=0.0,
+                       cache_modifier=".cg")
+        acc += weight[:, None] * part
+    out = acc / total[:, None]
+    tl.store(out_ptr + row * stride_ob + heads[:, None] * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=own[:, None])
+
+
+def split_slot_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                         lengths: torch.Tensor, share_slots: torch.Tensor, share_lens: torch.Tensor,
+                         new_k: torch.Tensor | None, new_v: torch.Tensor | None, attended: torch.Tensor,
+                         splits: int) -> torch.Tensor:
+    """invariant_kernels.slot_attention's contract (q [B, H, D] against k_cache / v_cache
+    [S, L, Hkv, D] -> [B, H, D]; share, new_k / new_v and attended as there, all given), each row's
+    keys in `splits` ranges of whole key blocks (decode_splits picks it)."""
+    B, H, D = q.shape
+    Hkv = k_cache.shape[2]
+    problem = slot_attention_unsupported(H, Hkv, D)
+    if problem:
+        raise ValueError(f"the decode attention kernel does not support {problem}")
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    out = torch.empty((B, H, D), dtype=q.dtype, device=q.device)
+    if B == 0:
+        return out
+    G = H // Hkv
+    part = torch.empty((B, Hkv, splits, G, D), dtype=torch.float32, device=q.device)
+    stat = torch.empty((B, Hkv, splits, 2, G), dtype=torch.float32, device=q.device)
+    store = new_k is not None
+    if store:
+        new_k = new_k if new_k.stride(-1) == 1 else new_k.contiguous()
+        new_v = new_v if new_v.stride(-1) == 1 else new_v.contiguous()
+    else:
+        new_k = new_v = q  # not read
+    _split_slot_kernel[(B, Hkv, splits)](
+        q, k_cache, v_cache, out, part, stat, _arrivals(q.device, B * Hkv), slots, lengths, share_slots, share_lens,
+        attended, new_k, new_v, D**-0.5,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        new_k.stride(0), new_k.stride(1), new_v.stride(0), new_v.stride(1), out.stride(0), out.stride(1),
+        HKV=Hkv, G=G, D=D, SPLITS=splits, BLOCK_M=ATTENTION_BLOCK_M, BLOCK_N=ATTENTION_BLOCK_N,
+        PRECISION=_precision(q), STORE_NEW=store, num_warps=ATTENTION_WARPS, num_stages=ATTENTION_DECODE_STAGES,
+    )
+    return out
