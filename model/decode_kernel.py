@@ -1,9 +1,10 @@
 """The default mode's decode attention at small batches: each row's keys split across programs.
 
 `invariant_kernels.slot_attention` runs one program per (row, K/V head), each walking the row's
-keys from the first to the last. At 64 rows and 8 K/V heads that is 512 programs, about 1.3 of
-the waves an H100 or H200 holds at once (three programs an SM, by shared memory), so the second
-wave runs a third full and the kernel reads its bytes well below the memory's rate. Here the keys
+keys from the first to the last. At 64 rows and 8 K/V heads that is 512 programs: by our
+estimate (three programs an SM, by shared memory) about 1.3 of the waves an H100 or H200 holds at
+once, so the second wave would run a third full, which fits the kernel's lower memory rate at
+that batch (bench/RESULTS.md, "The decode attention split across programs"). Here the keys
 of a row are cut into `splits` ranges of whole key blocks, one program each (flash-decoding). Each
 program writes its range's softmax state (max, sum, unnormalised output, fp32) to a scratch
 buffer, and the last of a row's programs to finish, told by an atomic counter, merges them
