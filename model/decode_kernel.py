@@ -29,7 +29,10 @@ from model.invariant_kernels import (
     ATTENTION_WARPS,
     _attend_block,
     _precision,
-    slot_attention_unsupported,
+    _slot_keys_block,
+    _slot_row,
+    _store_new_kv,
+    slot_inputs,
 )
 
 # Programs an SM runs at once (shared memory: two stages of a 64-key block of K and V) and the
@@ -75,11 +78,8 @@ def _split_slot_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_ptr, stat_ptr, arrival
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    slot = tl.load(slots_ptr + row).to(tl.int64)
-    length = tl.load(lengths_ptr + row)
-    share_slot = tl.load(share_slots_ptr + row).to(tl.int64)
-    share_len = tl.load(share_lens_ptr + row)
-    attended = tl.load(attended_ptr + row)
+    slot, length, share_slot, share_len, attended = _slot_row(slots_ptr, lengths_ptr, share_slots_ptr, share_lens_ptr,
+                                                              attended_ptr, row)
     # Whole key blocks per split, so every range starts on a block edge.
     span = tl.maximum(tl.cdiv(tl.cdiv(attended, BLOCK_N), SPLITS), 1) * BLOCK_N
     lo = split * span
@@ -88,25 +88,19 @@ def _split_slot_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_ptr, stat_ptr, arrival
     d = tl.arange(0, D)
     heads = kv_head * G + g
     q = tl.load(q_ptr + row * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=g[:, None] < G, other=0.0)
-    head_offset = kv_head * stride_kh + d[None, :]
     if STORE_NEW:
         # The program whose range holds the new key's position stores it (the last one when no
         # range does: a finished row attends to fewer keys), so the one reader is the writer.
         if split == tl.minimum((length - 1) // span, SPLITS - 1):
-            at = slot * stride_ks + (length - 1).to(tl.int64) * stride_kl + kv_head * stride_kh + d
-            tl.store(k_ptr + at, tl.load(new_k_ptr + row * stride_nkb + kv_head * stride_nkh + d))
-            tl.store(v_ptr + at, tl.load(new_v_ptr + row * stride_nvb + kv_head * stride_nvh + d))
-            tl.debug_barrier()
+            _store_new_kv(k_ptr, v_ptr, new_k_ptr, new_v_ptr, slot, length, row, kv_head, stride_ks, stride_kl,
+                          stride_kh, stride_nkb, stride_nkh, stride_nvb, stride_nvh, D)
     m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, D), tl.float32)
     for key_start in range(lo, hi, BLOCK_N):
         n = key_start + tl.arange(0, BLOCK_N)
-        keys_live = n < hi
-        source = tl.where(n < share_len, share_slot, slot)
-        offsets = source[:, None] * stride_ks + n[:, None] * stride_kl + head_offset
-        k = tl.load(k_ptr + offsets, mask=keys_live[:, None], other=0.0)
-        v = tl.load(v_ptr + offsets, mask=keys_live[:, None], other=0.0)
+        k, v, keys_live = _slot_keys_block(k_ptr, v_ptr, n, hi, slot, share_slot, share_len, kv_head, stride_ks,
+                                           stride_kl, stride_kh, D)
         live = tl.broadcast_to(keys_live[None, :], (BLOCK_M, BLOCK_N))
         m, l, acc = _attend_block(q, k, v, live, m, l, acc, scale, PRECISION)
     # Scratch layout: part [B, HKV, SPLITS, G, D] and stat [B, HKV, SPLITS, 2, G] (max, sum).
@@ -155,24 +149,13 @@ def split_slot_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     """invariant_kernels.slot_attention's contract (q [B, H, D] against k_cache / v_cache
     [S, L, Hkv, D] -> [B, H, D]; share, new_k / new_v and attended as there, all given), each row's
     keys in `splits` ranges of whole key blocks (decode_splits picks it)."""
-    B, H, D = q.shape
-    Hkv = k_cache.shape[2]
-    problem = slot_attention_unsupported(H, Hkv, D)
-    if problem:
-        raise ValueError(f"the decode attention kernel does not support {problem}")
-    q = q if q.stride(-1) == 1 else q.contiguous()
-    out = torch.empty((B, H, D), dtype=q.dtype, device=q.device)
+    q, new_k, new_v, store, out = slot_inputs(q, k_cache, new_k, new_v)
+    (B, H, D), Hkv = q.shape, k_cache.shape[2]
     if B == 0:
         return out
     G = H // Hkv
     part = torch.empty((B, Hkv, splits, G, D), dtype=torch.float32, device=q.device)
     stat = torch.empty((B, Hkv, splits, 2, G), dtype=torch.float32, device=q.device)
-    store = new_k is not None
-    if store:
-        new_k = new_k if new_k.stride(-1) == 1 else new_k.contiguous()
-        new_v = new_v if new_v.stride(-1) == 1 else new_v.contiguous()
-    else:
-        new_k = new_v = q  # not read
     _split_slot_kernel[(B, Hkv, splits)](
         q, k_cache, v_cache, out, part, stat, _arrivals(q.device, B * Hkv), slots, lengths, share_slots, share_lens,
         attended, new_k, new_v, D**-0.5,

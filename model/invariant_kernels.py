@@ -194,6 +194,40 @@ def _packed_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, cu_seqlens, scale,
 
 
 @triton.jit
+def _slot_row(slots_ptr, lengths_ptr, share_slots_ptr, share_lens_ptr, attended_ptr, row):
+    """A decode row's slot, live keys, shared-prompt slot and length, and keys attended."""
+    return (tl.load(slots_ptr + row).to(tl.int64), tl.load(lengths_ptr + row),
+            tl.load(share_slots_ptr + row).to(tl.int64), tl.load(share_lens_ptr + row), tl.load(attended_ptr + row))
+
+
+@triton.jit
+def _store_new_kv(k_ptr, v_ptr, new_k_ptr, new_v_ptr, slot, length, row, kv_head, stride_ks, stride_kl, stride_kh,
+                  stride_nkb, stride_nkh, stride_nvb, stride_nvh, D: tl.constexpr):
+    """The row's new key and value of one K/V head into its slot at position length - 1, then a
+    barrier, so that every thread of the program reads them back."""
+    d = tl.arange(0, D)
+    at = slot * stride_ks + (length - 1).to(tl.int64) * stride_kl + kv_head * stride_kh + d
+    tl.store(k_ptr + at, tl.load(new_k_ptr + row * stride_nkb + kv_head * stride_nkh + d))
+    tl.store(v_ptr + at, tl.load(new_v_ptr + row * stride_nvb + kv_head * stride_nvh + d))
+    tl.debug_barrier()
+
+
+@triton.jit
+def _slot_keys_block(k_ptr, v_ptr, n, end, slot, share_slot, share_len, kv_head, stride_ks, stride_kl, stride_kh,
+                     D: tl.constexpr):
+    """Keys and values [BN, D] of one K/V head at positions n [BN] of a row's slot (0 at and past
+    `end`), and which are live."""
+    keys_live = n < end
+    # Keys below share_len hold the same bits in share_slot as in this row's slot: rows that share a
+    # prompt read one copy of it, which the programs running side by side find in L2.
+    source = tl.where(n < share_len, share_slot, slot)
+    offsets = source[:, None] * stride_ks + n[:, None] * stride_kl + kv_head * stride_kh + tl.arange(0, D)[None, :]
+    k = tl.load(k_ptr + offsets, mask=keys_live[:, None], other=0.0)
+    v = tl.load(v_ptr + offsets, mask=keys_live[:, None], other=0.0)
+    return k, v, keys_live
+
+
+@triton.jit
 def _slot_kernel(q_ptr, k_ptr, v_ptr, out_ptr, slots_ptr, lengths_ptr, share_slots_ptr, share_lens_ptr,
                  attended_ptr, new_k_ptr, new_v_ptr, scale,
                  stride_qb, stride_qh, stride_ks, stride_kl, stride_kh, stride_nkb, stride_nkh, stride_nvb,
@@ -201,24 +235,18 @@ def _slot_kernel(q_ptr, k_ptr, v_ptr, out_ptr, slots_ptr, lengths_ptr, share_slo
                  BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, STORE_NEW: tl.constexpr):
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
-    slot = tl.load(slots_ptr + row).to(tl.int64)
-    length = tl.load(lengths_ptr + row)
-    share_slot = tl.load(share_slots_ptr + row).to(tl.int64)
-    share_len = tl.load(share_lens_ptr + row)
-    attended = tl.load(attended_ptr + row)
+    slot, length, share_slot, share_len, attended = _slot_row(slots_ptr, lengths_ptr, share_slots_ptr, share_lens_ptr,
+                                                              attended_ptr, row)
     g = tl.arange(0, BLOCK_M)
     d = tl.arange(0, D)
     heads = kv_head * G + g
     q = tl.load(q_ptr + row * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=g[:, None] < G, other=0.0)
-    head_offset = kv_head * stride_kh + d[None, :]
     if STORE_NEW:
         # The row's own key and value go into its slot here rather than by two copy kernels per
         # layer; the barrier makes them visible to every thread of the program before the loop
         # reads them back with the rest of the slot, so the values attended are the same bits.
-        at = slot * stride_ks + (length - 1).to(tl.int64) * stride_kl + kv_head * stride_kh + d
-        tl.store(k_ptr + at, tl.load(new_k_ptr + row * stride_nkb + kv_head * stride_nkh + d))
-        tl.store(v_ptr + at, tl.load(new_v_ptr + row * stride_nvb + kv_head * stride_nvh + d))
-        tl.debug_barrier()
+        _store_new_kv(k_ptr, v_ptr, new_k_ptr, new_v_ptr, slot, length, row, kv_head, stride_ks, stride_kl, stride_kh,
+                      stride_nkb, stride_nkh, stride_nvb, stride_nvh, D)
     m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, D), tl.float32)
@@ -226,13 +254,8 @@ def _slot_kernel(q_ptr, k_ptr, v_ptr, out_ptr, slots_ptr, lengths_ptr, share_slo
     # than 0 made the kernel 6-18% slower for all rows on an H200.
     for key_start in range(0, attended, BLOCK_N):
         n = key_start + tl.arange(0, BLOCK_N)
-        keys_live = n < attended
-        # Keys below share_len hold the same bits in share_slot as in this row's slot: rows that
-        # share a prompt read one copy of it, which the programs running side by side find in L2.
-        source = tl.where(n < share_len, share_slot, slot)
-        offsets = source[:, None] * stride_ks + n[:, None] * stride_kl + head_offset
-        k = tl.load(k_ptr + offsets, mask=keys_live[:, None], other=0.0)
-        v = tl.load(v_ptr + offsets, mask=keys_live[:, None], other=0.0)
+        k, v, keys_live = _slot_keys_block(k_ptr, v_ptr, n, attended, slot, share_slot, share_len, kv_head, stride_ks,
+                                           stride_kl, stride_kh, D)
         live = tl.broadcast_to(keys_live[None, :], (BLOCK_M, BLOCK_N))  # every head row sees the same keys
         m, l, acc = _attend_block(q, k, v, live, m, l, acc, scale, PRECISION)
     out = acc / l[:, None]
@@ -270,6 +293,26 @@ def slot_attention_unsupported(n_heads: int, n_kv_heads: int, head_dim: int) -> 
     return None
 
 
+def slot_inputs(q: torch.Tensor, k_cache: torch.Tensor, new_k: torch.Tensor | None,
+                new_v: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool, torch.Tensor]:
+    """The decode kernels' inputs, checked: (q, new_k, new_v, whether the new keys are stored, an
+    empty output like q), each input with its head dimension contiguous (new_k / new_v are q, not
+    read, where none are given)."""
+    problem = slot_attention_unsupported(q.shape[1], k_cache.shape[2], q.shape[2])
+    if problem:
+        raise ValueError(f"the decode attention kernel does not support {problem}")
+    # Rows and heads are read at their strides, so a view needs no copy: only the head dimension
+    # must be contiguous. New K and V are each read in their own layout (V is a column block of the
+    # fused projection's output): a copy into one shared layout would cost a kernel per layer.
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if new_k is None:
+        return q, q, q, False, out
+    new_k = new_k if new_k.stride(-1) == 1 else new_k.contiguous()
+    new_v = new_v if new_v.stride(-1) == 1 else new_v.contiguous()
+    return q, new_k, new_v, True, out
+
+
 def slot_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
                    lengths: torch.Tensor, share_slots: torch.Tensor | None = None,
                    share_lens: torch.Tensor | None = None, new_k: torch.Tensor | None = None,
@@ -288,25 +331,10 @@ def slot_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         share_slots, share_lens = slots, lengths
     if attended is None:
         attended = lengths
-    B, H, D = q.shape
-    Hkv = k_cache.shape[2]
-    problem = slot_attention_unsupported(H, Hkv, D)
-    if problem:
-        raise ValueError(f"the decode attention kernel does not support {problem}")
-    # Rows and heads are read at their strides, so a view needs no copy: only the head dimension
-    # must be contiguous.
-    q = q if q.stride(-1) == 1 else q.contiguous()
-    out = torch.empty((B, H, D), dtype=q.dtype, device=q.device)
+    q, new_k, new_v, store, out = slot_inputs(q, k_cache, new_k, new_v)
+    (B, H, D), Hkv = q.shape, k_cache.shape[2]
     if B == 0:
         return out
-    store = new_k is not None
-    if store:
-        # Each is read in its own layout (V is a column block of the fused projection's output):
-        # a copy into one shared layout would cost a kernel per layer.
-        new_k = new_k if new_k.stride(-1) == 1 else new_k.contiguous()
-        new_v = new_v if new_v.stride(-1) == 1 else new_v.contiguous()
-    else:
-        new_k = new_v = q  # not read
     _slot_kernel[(B, Hkv)](
         q, k_cache, v_cache, out, slots, lengths, share_slots, share_lens, attended, new_k, new_v, D**-0.5,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
