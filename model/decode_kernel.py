@@ -56,16 +56,17 @@ def decode_splits(rows: int, kv_heads: int, slot_len: int, device: torch.device)
     return max(1, min(wanted, MAX_SPLITS, triton.cdiv(slot_len, ATTENTION_BLOCK_N)))
 
 
-_counters: dict[torch.device, torch.Tensor] = {}
+_counters: dict[torch.device, list[torch.Tensor]] = {}
 
 
 def _arrivals(device: torch.device, size: int) -> torch.Tensor:
     """Zeroed int32 counters, one per (row, K/V head), kept between calls: the merging program
-    sets its counter back to 0, so no launch has to clear them."""
-    held = _counters.get(device)
-    if held is None or held.numel() < size:
-        held = _counters[device] = torch.zeros(max(size, 4096), dtype=torch.int32, device=device)
-    return held
+    sets its counter back to 0, so no launch has to clear them. A launch too large for them gets
+    larger ones; the smaller stay allocated, since CUDA graphs captured with them still write there."""
+    held = _counters.setdefault(device, [])
+    if not held or held[-1].numel() < size:
+        held.append(torch.zeros(max(size, 4096), dtype=torch.int32, device=device))
+    return held[-1]
 
 
 @triton.jit
