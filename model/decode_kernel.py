@@ -1,10 +1,9 @@
 """The default mode's decode attention at small batches: each row's keys split across programs.
 
 `invariant_kernels.slot_attention` runs one program per (row, K/V head), each walking the row's
-keys from the first to the last. At 64 rows and 8 K/V heads that is 512 programs: by our
-estimate (three programs an SM, by shared memory) about 1.3 of the waves an H100 or H200 holds at
-once, so the second wave would run a third full, which fits the kernel's lower memory rate at
-that batch (bench/RESULTS.md, "The decode attention split across programs"). Here the keys
+keys from the first to the last. Where rows × K/V heads are fewer than the device's SMs (the tail
+of a generation, when a few long rows are left), most SMs sit idle while those programs walk
+(bench/RESULTS.md, "The decode attention split across programs, measured"). Here the keys
 of a row are cut into `splits` ranges of whole key blocks, one program each (flash-decoding). Each
 program writes its range's softmax state (max, sum, unnormalised output, fp32) to a scratch
 buffer, and the last of a row's programs to finish, told by an atomic counter, merges them
@@ -35,10 +34,11 @@ from model.invariant_kernels import (
     slot_inputs,
 )
 
-# Programs an SM runs at once (shared memory: two stages of a 64-key block of K and V) and the
-# waves of them a split launch aims to fill; past MAX_SPLITS the merge's reads outgrow the gain.
+# Measured on an H100 (RESULTS, "The decode attention split across programs, measured"): once rows ×
+# K/V heads reach the SM count, ranges stop paying (256 programs: 0.99× at 2 ranges, less at more);
+# below it, SMs sit idle and ranges gain up to 2.3× (8 rows of 1,024 keys). A split launch aims at
+# PROGRAMS_PER_SM programs on every SM; past MAX_SPLITS the merge's reads outgrow the gain.
 PROGRAMS_PER_SM = 3
-TARGET_WAVES = 2
 MAX_SPLITS = 8
 
 
@@ -48,11 +48,14 @@ def _sm_count(device: torch.device) -> int:
 
 
 def decode_splits(rows: int, kv_heads: int, slot_len: int, device: torch.device) -> int:
-    """How many programs share a row's keys: 1 where rows × K/V heads already fill TARGET_WAVES
-    waves of the device, else enough to fill them, at most MAX_SPLITS and at most one a key block
+    """How many programs share a row's keys: 1 where rows × K/V heads reach the device's SM count,
+    else enough for PROGRAMS_PER_SM programs an SM, at most MAX_SPLITS and at most one a key block
     of the slot. Depends on the launch's shape only, so a CUDA graph keeps it."""
-    programs = rows * kv_heads
-    wanted = triton.cdiv(TARGET_WAVES * PROGRAMS_PER_SM * _sm_count(device), max(programs, 1))
+    programs = max(rows * kv_heads, 1)
+    sms = _sm_count(device)
+    if programs >= sms:
+        return 1
+    wanted = triton.cdiv(PROGRAMS_PER_SM * sms, programs)
     return max(1, min(wanted, MAX_SPLITS, triton.cdiv(slot_len, ATTENTION_BLOCK_N)))
 
 
