@@ -2,7 +2,7 @@
 configuration.
 
     python3 bench/generate.py [--shapes 0.6b,1.7b] [--batches 64,256] [--baselines hf,hf_static]
-                              [--long-tail] [--profile] [--gaps] [--quick]
+                              [--long-tail] [--one-batch-tail] [--profile] [--gaps] [--quick]
 
 Random bf16 weights of a Qwen3 shape; prompts of 128 random tokens; 256 new tokens forced (no EOS);
 sampling at temperature 1 over the full vocabulary. Each line reports output tokens/s over the
@@ -29,6 +29,10 @@ On CUDA, torch runs one CPU thread, as the generator ranks of `train_grpo.py` do
 (median ~64), decoded at most 256 at a time, against the same 2048 prompts with every budget equal
 to the long-tail mean: continuous batching refills each finished sequence's slot, so the long-tail
 run should stay near the equal-length throughput.
+
+`--one-batch-tail`: 128 requests decoded in one batch with no refill, as one RL step's episodes are,
+with budgets on a truncated Pareto(alpha = 1) over 32..2048 tokens: the last few rows decode long
+after the rest have ended, so the call's time is mostly steps of a handful of long rows.
 """
 
 from __future__ import annotations
@@ -82,11 +86,11 @@ def prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
     return torch.randint(0, vocab, (n, PROMPT), generator=g).tolist()
 
 
-def long_tail_budgets(n: int, seed: int = 0) -> list[int]:
-    """Truncated Pareto(alpha = 1) on [32, 1024]: median ~64 tokens, a tail out to the cap."""
+def long_tail_budgets(n: int, seed: int = 0, hi: float = 1024.0) -> list[int]:
+    """Truncated Pareto(alpha = 1) on [32, hi]: median ~64 tokens, a tail out to the cap."""
     g = torch.Generator().manual_seed(seed)
     u = torch.rand(n, generator=g, dtype=torch.float64)
-    lo, hi = 32.0, 1024.0
+    lo = 32.0
     return (lo / (1 - u * (1 - lo / hi))).round().long().tolist()
 
 
@@ -241,6 +245,7 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--baselines", default="hf,hf_static", help="comma list of hf, hf_static; '' for none")
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--long-tail", action="store_true")
+    parser.add_argument("--one-batch-tail", action="store_true", help="one batch of long-tailed budgets, no refill")
     parser.add_argument("--groups", type=int, default=8, help="also time batch-sized runs of prompts x this many samples")
     parser.add_argument("--bandwidth", type=float, default=4.3e12)
     parser.add_argument("--quick", action="store_true", help="tiny shape, small vocab: a CPU smoke test")
@@ -323,6 +328,19 @@ def time_long_tail(opts: argparse.Namespace, args: ModelArgs, vocab: int, device
     engine.close()
 
 
+def time_one_batch_tail(opts: argparse.Namespace, args: ModelArgs, vocab: int, device: torch.device,
+                        base: dict) -> None:
+    """One batch of long-tailed budgets, no refill: the time the last long rows take alone."""
+    budgets = long_tail_budgets(16 if opts.quick else 128, hi=64.0 if opts.quick else 2048.0)
+    engine = build_engine(args, device, len(budgets), PROMPT + max(budgets), sync_every=opts.sync_every)
+    plist = prompts(len(budgets), vocab, seed=2)
+    reqs = [GenerationRequest(p, 0, i, 0, max_new_tokens=n) for i, (p, n) in enumerate(zip(plist, budgets))]
+    seconds, out = time_engine(engine, reqs, device, opts.reps)
+    emit(dict(base, bench="generate_one_batch_tail", requests=len(budgets), budget_median=sorted(budgets)[len(budgets) // 2],
+              budget_max=max(budgets), seconds=round(seconds, 3), tok_s=round(output_tokens(out) / seconds)))
+    engine.close()
+
+
 def main() -> None:
     opts = parse()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -342,6 +360,8 @@ def main() -> None:
                 time_baseline(name, opts, args, batch, vocab, device, dict(base, shape=shape), ours, roof)
         if opts.long_tail:
             time_long_tail(opts, args, vocab, device, dict(base, shape=shape))
+        if opts.one_batch_tail:
+            time_one_batch_tail(opts, args, vocab, device, dict(base, shape=shape))
 
 if __name__ == "__main__":
     main()
