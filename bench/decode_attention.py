@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.decode_matmuls import graph_time_us  # noqa: E402
 from model import invariant_kernels  # noqa: E402
 from model.decode_kernel import decode_splits, split_slot_attention  # noqa: E402
-from model.invariant_kernels import slot_attention  # noqa: E402
+from model.invariant_kernels import multiprocessors, slot_attention  # noqa: E402
 
 H, HKV, D = 16, 8, 128
 GROUP = 8  # rows per shared prompt (--share)
@@ -94,7 +94,7 @@ def split_sweep(counts: str, q, k_cache, v_cache, slots, lengths, live_bytes: in
     unsplit = lambda: slot_attention(q, k_cache, v_cache, slots, lengths)  # noqa: E731
     reference, base_us = unsplit(), graph_time_us(unsplit, reps=50)
     for count in counts.split(","):
-        n = decode_splits(q.shape[0], HKV, k_cache.shape[1], q.device) if count == "auto" else int(count)
+        n = decode_splits(q.shape[0], HKV, k_cache.shape[1], multiprocessors(q.device)) if count == "auto" else int(count)
         if n == 1:
             fn = unsplit
         else:

@@ -305,9 +305,9 @@ def slot_decode(
     if kernel:
         # Imported here: Triton exists only where CUDA does.
         from model.decode_kernel import decode_splits, split_slot_attention
-        from model.invariant_kernels import slot_attention
+        from model.invariant_kernels import multiprocessors, slot_attention
 
-        splits = decode_splits(q.shape[0], k_cache.shape[2], k_cache.shape[1], q.device)
+        splits = decode_splits(q.shape[0], k_cache.shape[2], k_cache.shape[1], multiprocessors(q.device))
         if splits > 1:
             return split_slot_attention(q, k_cache, v_cache, slots, lengths, share_slots, share_lens, new_k, new_v,
                                         lengths if attended is None else attended, splits)

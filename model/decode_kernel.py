@@ -15,8 +15,6 @@ grouping), so `job.bitwise_logprobs` keeps the unsplit kernel, whose bits equal 
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -42,17 +40,12 @@ PROGRAMS_PER_SM = 3
 MAX_SPLITS = 8
 
 
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
-
-
-def decode_splits(rows: int, kv_heads: int, slot_len: int, device: torch.device) -> int:
-    """How many programs share a row's keys: 1 where rows × K/V heads reach the device's SM count,
-    else enough for PROGRAMS_PER_SM programs an SM, at most MAX_SPLITS and at most one a key block
-    of the slot. Depends on the launch's shape only, so a CUDA graph keeps it."""
+def decode_splits(rows: int, kv_heads: int, slot_len: int, sms: int) -> int:
+    """How many programs share a row's keys: 1 where rows × K/V heads reach the device's `sms`
+    (invariant_kernels.multiprocessors), else enough for PROGRAMS_PER_SM programs an SM, at most
+    MAX_SPLITS and at most one a key block of the slot. Depends on the launch's shape only, so a
+    CUDA graph keeps it."""
     programs = max(rows * kv_heads, 1)
-    sms = _sm_count(device)
     if programs >= sms:
         return 1
     wanted = triton.cdiv(PROGRAMS_PER_SM * sms, programs)

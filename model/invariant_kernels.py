@@ -84,7 +84,8 @@ def _matmul_kernel(a, b, bias, c, M, N, stride_am, stride_ak, stride_bn, stride_
 
 
 @functools.cache
-def _multiprocessors(device: torch.device) -> int:
+def multiprocessors(device: torch.device) -> int:
+    """The device's SM count (0 off CUDA), read once per device."""
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
 
 
@@ -94,7 +95,7 @@ def matmul_tiles(M: int, N: int, device: torch.device) -> tuple[int, int, int, i
     models and 64 to 16,384 rows, this took at most 1.2× the fastest of eight tiles' time, and up
     to 2.3× less than the 128 × 128 tile alone at decode's row counts (bench/RESULTS.md)."""
     for tiles in MATMUL_TILES[:-1]:
-        if 2 * triton.cdiv(M, tiles[0]) * triton.cdiv(N, tiles[1]) >= _multiprocessors(device):
+        if 2 * triton.cdiv(M, tiles[0]) * triton.cdiv(N, tiles[1]) >= multiprocessors(device):
             return tiles
     return MATMUL_TILES[-1]
 

@@ -214,14 +214,14 @@ def test_packed_attention_runs_the_chosen_cuda_kernel(monkeypatch):
 
 
 def test_decode_splits_give_rows_more_programs_only_where_they_leave_the_device_idle():
-    """decode_splits, by hand: rows × K/V heads below the SM count (the CPU counts as 132) get
-    ranges enough for 3 programs an SM (396)."""
+    """decode_splits, by hand: rows × K/V heads below the SM count (132, an H100's or H200's)
+    get ranges enough for 3 programs an SM (396)."""
     from model.decode_kernel import decode_splits
 
-    cpu = torch.device("cpu")
-    assert decode_splits(256, 8, 384, cpu) == 1  # 2,048 programs already
-    assert decode_splits(17, 8, 384, cpu) == 1  # 136: every SM has one
-    assert decode_splits(16, 8, 384, cpu) == 4  # 128 -> 512
-    assert decode_splits(8, 8, 4096, cpu) == 7  # 64 -> 448
-    assert decode_splits(1, 8, 4096, cpu) == 8  # at most 8 ranges
-    assert decode_splits(1, 8, 100, cpu) == 2  # at most one range per 64-key block of the slot
+    sms = 132
+    assert decode_splits(256, 8, 384, sms) == 1  # 2,048 programs already
+    assert decode_splits(17, 8, 384, sms) == 1  # 136: every SM has one
+    assert decode_splits(16, 8, 384, sms) == 4  # 128 -> 512
+    assert decode_splits(8, 8, 4096, sms) == 7  # 64 -> 448
+    assert decode_splits(1, 8, 4096, sms) == 8  # at most 8 ranges
+    assert decode_splits(1, 8, 100, sms) == 2  # at most one range per 64-key block of the slot
