@@ -94,6 +94,12 @@ def long_tail_budgets(n: int, seed: int = 0, hi: float = 1024.0) -> list[int]:
     return (lo / (1 - u * (1 - lo / hi))).round().long().tolist()
 
 
+def budget_requests(budgets: list[int], vocab: int, seed: int) -> list[GenerationRequest]:
+    """One request per budget, each with its own random prompt."""
+    plist = prompts(len(budgets), vocab, seed=seed)
+    return [GenerationRequest(p, 0, i, 0, max_new_tokens=n) for i, (p, n) in enumerate(zip(plist, budgets))]
+
+
 def build_engine(args, device, batch, max_seq_len, **engine_options) -> NativeEngine:
     engine = NativeEngine(
         args, SamplingParams(max_new_tokens=max_seq_len - PROMPT, temperature=1.0), eos_ids=[], seed=0,
@@ -316,9 +322,7 @@ def time_long_tail(opts: argparse.Namespace, args: ModelArgs, vocab: int, device
     engine = build_engine(args, device, batch, PROMPT + max(budgets), sync_every=opts.sync_every)
     runs = {}
     for name, per_request in (("long_tail", budgets), ("equal_length", [mean_budget] * len(budgets))):
-        plist = prompts(len(per_request), vocab, seed=1)
-        reqs = [GenerationRequest(p, 0, i, 0, max_new_tokens=n) for i, (p, n) in enumerate(zip(plist, per_request))]
-        seconds, out = time_engine(engine, reqs, device, opts.reps)
+        seconds, out = time_engine(engine, budget_requests(per_request, vocab, seed=1), device, opts.reps)
         runs[name] = output_tokens(out) / seconds
     emit(dict(base, bench="generate_long_tail", requests=len(budgets), max_batch=batch,
               budget_min=min(budgets), budget_median=sorted(budgets)[len(budgets) // 2],
@@ -333,9 +337,7 @@ def time_one_batch_tail(opts: argparse.Namespace, args: ModelArgs, vocab: int, d
     """One batch of long-tailed budgets, no refill: the time the last long rows take alone."""
     budgets = long_tail_budgets(16 if opts.quick else 128, hi=64.0 if opts.quick else 2048.0)
     engine = build_engine(args, device, len(budgets), PROMPT + max(budgets), sync_every=opts.sync_every)
-    plist = prompts(len(budgets), vocab, seed=2)
-    reqs = [GenerationRequest(p, 0, i, 0, max_new_tokens=n) for i, (p, n) in enumerate(zip(plist, budgets))]
-    seconds, out = time_engine(engine, reqs, device, opts.reps)
+    seconds, out = time_engine(engine, budget_requests(budgets, vocab, seed=2), device, opts.reps)
     emit(dict(base, bench="generate_one_batch_tail", requests=len(budgets), budget_median=sorted(budgets)[len(budgets) // 2],
               budget_max=max(budgets), seconds=round(seconds, 3), tok_s=round(output_tokens(out) / seconds)))
     engine.close()
